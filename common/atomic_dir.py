@@ -1,0 +1,44 @@
+"""Write a directory atomically: build it under a temporary name beside the target, then rename.
+
+An interrupted write never leaves a half-written target, and never destroys the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+
+def is_nonempty_dir(path: str) -> bool:
+    return os.path.isdir(path) and bool(os.listdir(path))
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str, *, overwrite: bool = False, flag: str = "overwrite=True"):
+    """Yield a fresh temporary directory that becomes `target` when the block succeeds.
+
+    An existing non-empty `target` is an error unless `overwrite`; then it is replaced only after
+    the new directory is complete. `flag` names the option that allows overwriting, for the error.
+    """
+    target = os.path.abspath(target)
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise FileExistsError(f"{target} exists and is not a directory")
+    if is_nonempty_dir(target) and not overwrite:
+        raise FileExistsError(f"{target} already exists and is not empty; choose a new directory or pass {flag}")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if os.path.exists(target):
+        retired = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=parent)
+        os.rename(target, os.path.join(retired, "dir"))
+        os.rename(staging, target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.rename(staging, target)

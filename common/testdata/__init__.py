@@ -1,0 +1,57 @@
+"""Tiny model configs kept in the repo, and builders for random checkpoints made from them.
+
+Tests and the default job never download a model: they build a tiny random model from one of
+these configs. Files are found through Bazel runfiles when running under Bazel, else beside
+this module (plain pytest, vendored copies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+
+_WORKSPACE = "critic_adapters"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Families with a tiny config in configs/; qwen2_vl is the VLM.
+FAMILIES = ("deepseek_v3", "gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "phi3", "qwen2",
+            "qwen2_moe", "qwen2_vl", "qwen3")
+VLM_FAMILIES = ("qwen2_vl",)
+
+
+def data_path(relative: str) -> str:
+    """Absolute path of a file under common/testdata, via runfiles when Bazel provides them."""
+    if os.environ.get("RUNFILES_DIR") or os.environ.get("RUNFILES_MANIFEST_FILE"):
+        from runfiles import runfiles
+
+        located = runfiles.Create().Rlocation(f"{_WORKSPACE}/common/testdata/{relative}")
+        if located and os.path.exists(located):
+            return located
+    return os.path.join(_HERE, relative)
+
+
+def tiny_config(family: str) -> PretrainedConfig:
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny config for {family!r}; available: {', '.join(FAMILIES)}")
+    with open(data_path(f"configs/{family}.json")) as f:
+        fields = json.load(f)
+    return CONFIG_MAPPING[fields.pop("model_type")](**fields)
+
+
+def tiny_causal_lm(family: str, seed: int = 0) -> torch.nn.Module:
+    """A random causal LM (a VLM for VLM families), deterministic for a given seed."""
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if family in VLM_FAMILIES else AutoModelForCausalLM
+    return auto.from_config(config).eval()
+
+
+def save_tiny_causal_lm(family: str, out_dir: str, seed: int = 0) -> str:
+    from common.valuehead._quiet import quiet_transformers
+
+    with quiet_transformers():
+        tiny_causal_lm(family, seed).save_pretrained(out_dir)
+    return out_dir

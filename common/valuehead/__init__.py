@@ -1,0 +1,28 @@
+"""The shared value-head module: load any critic checkpoint, compute per-token values, save.
+
+Public API (a contract other code and users rely on):
+  load_critic, LoadReport, compute_values, save_critic, critic_config, trl_value_head_class,
+  load_valuehead_model, select_attn_implementation, CriticLoadError.
+CLI: python -m common.valuehead {inspect,convert,values} ...
+"""
+
+from common.valuehead.attention import select_attn_implementation
+from common.valuehead.config import critic_config
+from common.valuehead.errors import CriticLoadError
+from common.valuehead.load import LoadReport, load_critic
+from common.valuehead.save import save_critic
+from common.valuehead.trl_compat import trl_value_head_class
+from common.valuehead.values import compute_values
+from common.valuehead.verl_compat import load_valuehead_model
+
+__all__ = [
+    "CriticLoadError",
+    "LoadReport",
+    "compute_values",
+    "critic_config",
+    "load_critic",
+    "load_valuehead_model",
+    "save_critic",
+    "select_attn_implementation",
+    "trl_value_head_class",
+]

@@ -1,0 +1,150 @@
+"""Command line: inspect a critic checkpoint, convert it to HF TokenClassification, print values.
+
+  python -m common.valuehead inspect PATH [--json]
+  python -m common.valuehead convert SRC DST [--dtype bfloat16] [--fresh-head] [--head-prefix P]
+  python -m common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
+  python -m common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from common.valuehead.checkpoint_files import index_checkpoint
+from common.valuehead.config import critic_class, critic_config, head_name, text_hidden_size
+from common.valuehead.errors import CriticLoadError
+from common.valuehead.formats import detect_format
+from common.valuehead.load import load_critic, load_hf_config, output_projection_keys, read_config_dict
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remote_code: bool = False) -> dict:
+    """What load_critic would do with `path`, from config.json and tensor headers only."""
+    config_dict = read_config_dict(path)
+    config = critic_config(load_hf_config(path, config_dict, trust_remote_code))
+    index = index_checkpoint(path)
+    detection = detect_format(index, config_dict, text_hidden_size(config), head_prefix=head_prefix)
+    tensors = index.sidecar_tensors if detection.head_file else index.tensors
+    head = head_name(config)
+    if detection.head_weight is None:
+        initialised = [f"{head}.weight (fresh head)", f"{head}.bias (zero)"]
+    elif detection.head_bias is None:
+        initialised = [f"{head}.bias (zero: this format has no bias)"]
+    else:
+        initialised = []
+    projections = output_projection_keys(index, config.get_text_config().vocab_size, detection.backbone_prefix)
+    ignored = sorted(projections - {key.removeprefix(detection.backbone_prefix) for key in detection.head_keys})
+    return {
+        "path": path,
+        "format": detection.format,
+        "description": detection.description,
+        "storage": detection.storage,
+        "family": config.model_type,
+        "critic_class": critic_class(config).__name__,
+        "hidden_size": text_hidden_size(config),
+        "num_tensors": len(index.tensors),
+        "weight_files": list(index.weight_files) + ([index.sidecar] if index.sidecar else []),
+        "head": {key: list(tensors[key].shape) for key in detection.head_keys},
+        "would_initialise": initialised,
+        "ignored": ignored,
+    }
+
+
+def _print_inspection(info: dict) -> None:
+    print(f"path          {info['path']}")
+    print(f"format        {info['format']}  ({info['description']})")
+    print(f"storage       {info['storage']}: {', '.join(info['weight_files'])} ({info['num_tensors']} tensors)")
+    print(f"family        {info['family']} -> {info['critic_class']} (hidden size {info['hidden_size']})")
+    head = ", ".join(f"{k} {v}" for k, v in info["head"].items()) or "none (a fresh head will be created)"
+    print(f"head          {head}")
+    print(f"initialise    {', '.join(info['would_initialise']) or 'nothing'}")
+    print(f"ignore        {', '.join(info['ignored']) or 'nothing'}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m common.valuehead", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def load_options(p):
+        p.add_argument("--head-prefix", help="the head is stored as <prefix>.weight (+ <prefix>.bias)")
+        p.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped with the checkpoint")
+
+    p = sub.add_parser("inspect", help="format, family, head keys/shapes and what would be initialised")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    load_options(p)
+
+    p = sub.add_parser("convert", help="any critic format -> HF *ForTokenClassification (safetensors)")
+    p.add_argument("src")
+    p.add_argument("dst", help="output directory; must not exist or be empty")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--fresh-head", action="store_true", help="ignore any head in SRC; start from a fresh one")
+    load_options(p)
+
+    p = sub.add_parser("values", help="load a critic and print per-token values for some tokens")
+    p.add_argument("path")
+    p.add_argument("--tokens", help="space-separated token ids (default: 12 random ids)")
+    p.add_argument("--seed", type=int, default=0)
+    load_options(p)
+
+    p = sub.add_parser("demo", help="write the embedded tiny Qwen2 model to OUT_DIR, inspect it, print values")
+    p.add_argument("out_dir")
+    return parser
+
+
+def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> None:
+    model, report = load_critic(path, **load_kwargs)
+    print(report)
+    vocab = model.config.get_text_config().vocab_size
+    if tokens:
+        ids = torch.tensor([[int(t) for t in tokens.split()]])
+        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise CriticLoadError(f"--tokens must be ids in [0, {vocab}); got {tokens!r}")
+    else:
+        ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(seed))
+    from common.valuehead.values import compute_values
+
+    with torch.no_grad():
+        values = compute_values(model, ids, torch.ones_like(ids))
+    print(f"tokens  {ids[0].tolist()}")
+    print(f"values  {[round(v, 5) for v in values[0].tolist()]}  (shape {list(values.shape)}, {values.dtype})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = inspect_checkpoint(args.path, head_prefix=args.head_prefix, trust_remote_code=args.trust_remote_code)
+            print(json.dumps(info, indent=2)) if args.json else _print_inspection(info)
+        elif args.command == "convert":
+            from common.atomic_dir import is_nonempty_dir
+            from common.valuehead.save import save_critic
+
+            if is_nonempty_dir(args.dst) or (os.path.exists(args.dst) and not os.path.isdir(args.dst)):
+                raise CriticLoadError(f"{args.dst} already exists and is not empty; convert writes a new directory")
+
+            model, report = load_critic(args.src, torch_dtype=DTYPES[args.dtype], head_prefix=args.head_prefix,
+                                        fresh_head=args.fresh_head, trust_remote_code=args.trust_remote_code)
+            print(report)
+            out = save_critic(model, args.dst)
+            print(f"wrote {out} ({model.config.architectures[0]}, num_labels=1)")
+        elif args.command == "values":
+            _print_values(args.path, args.tokens, args.seed, head_prefix=args.head_prefix,
+                          trust_remote_code=args.trust_remote_code)
+        elif args.command == "demo":
+            from common.testdata import save_tiny_causal_lm
+
+            path = save_tiny_causal_lm("qwen2", args.out_dir)
+            _print_inspection(inspect_checkpoint(path))
+            print()
+            _print_values(path, None, 0)
+    except (CriticLoadError, FileExistsError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

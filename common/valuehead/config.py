@@ -1,0 +1,131 @@
+"""The config override that turns any supported HF config into a per-token critic config.
+
+A critic is `*ForTokenClassification(num_labels=1)`: no vocab projection at all. Families that
+transformers gives no such class (VLMs, gemma3_text, ...) get the same layout through
+`GenericForTokenClassification` over the family's `AutoModel` backbone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.modeling_layers import GenericForTokenClassification
+
+# Written as `architectures` for families without a TokenClassification class: the weights are
+# exactly what transformers' GenericForTokenClassification mixin lays out (model.* + score.*).
+GENERIC_ARCHITECTURE = "GenericForTokenClassification"
+
+# Floats on purpose: verl wrote hidden_dropout="0" (a string), which nn.Dropout and the typed
+# configs of gpt_neox/falcon/bloom reject.
+_ZERO_DROPOUTS = ("classifier_dropout", "hidden_dropout", "summary_dropout_prob")
+
+_GENERIC_CLASSES: dict[type, type] = {}
+_HEAD_NAMES: dict[type, str] = {}
+
+
+def has_token_classification_class(config: PretrainedConfig) -> bool:
+    return type(config) in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+
+
+def _generic_critic_class(config: PretrainedConfig) -> type:
+    """A `GenericForTokenClassification` over the family's AutoModel backbone (cached per family)."""
+    config_type = type(config)
+    if config_type not in _GENERIC_CLASSES:
+        backbone = MODEL_MAPPING[config_type]
+        family_base = next(
+            base for base in backbone.__mro__[1:]
+            if issubclass(base, PreTrainedModel) and base is not PreTrainedModel
+        )
+        name = backbone.__name__.removesuffix("Model") + "CriticForTokenClassification"
+        _GENERIC_CLASSES[config_type] = type(
+            name, (GenericForTokenClassification, family_base),
+            {"config_class": config_type, "__module__": __name__},
+        )
+        # Read (and write) the backbone under the same key names as the family's own causal-LM/VLM
+        # checkpoints, e.g. Qwen2-VL's `visual.*` / `model.layers.*`, by reusing its key conversions.
+        for full_mapping in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING):
+            if config_type in full_mapping:
+                conversions = get_checkpoint_conversion_mapping(full_mapping[config_type].__name__)
+                if conversions:
+                    register_checkpoint_conversion_mapping(name, conversions, overwrite=True)
+                break
+    return _GENERIC_CLASSES[config_type]
+
+
+def critic_class(config: PretrainedConfig) -> type:
+    """The model class a critic of this config is built with."""
+    if has_token_classification_class(config):
+        return MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[type(config)]
+    if type(config) in MODEL_MAPPING:
+        return _generic_critic_class(config)
+    raise ValueError(
+        f"model_type {config.model_type!r} ({type(config).__name__}) has no critic form: transformers "
+        f"has neither a *ForTokenClassification class nor an AutoModel backbone for it. Use a model "
+        f"family transformers supports, or pass trust_remote_code=True if the checkpoint ships its own code."
+    )
+
+
+def head_name(config: PretrainedConfig) -> str:
+    """Attribute name of the critic's [1, H] head: `score` for most families, `classifier` for some
+    (gpt2, gpt_neox, bloom). Found on a meta-device instance, so nothing is allocated."""
+    cls = critic_class(config)
+    if cls not in _HEAD_NAMES:
+        with torch.device("meta"):
+            model = cls(critic_config(config))
+        linears = [name for name, child in model.named_children()
+                   if isinstance(child, torch.nn.Linear) and child.out_features == 1]
+        assert len(linears) == 1, f"{cls.__name__} has no single scalar head: {linears}"
+        _HEAD_NAMES[cls] = linears[0]
+    return _HEAD_NAMES[cls]
+
+
+def critic_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The critic's scalar head module (works on FSDP-wrapped models too)."""
+    return getattr(model, head_name(model.config))
+
+
+def architecture_name(config: PretrainedConfig) -> str:
+    """The `architectures` entry a saved critic of this config carries."""
+    if has_token_classification_class(config):
+        return MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[type(config)].__name__
+    critic_class(config)  # raises for configs with no critic form
+    return GENERIC_ARCHITECTURE
+
+
+def text_hidden_size(config: PretrainedConfig) -> int:
+    return config.get_text_config().hidden_size
+
+
+def critic_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of `hf_config` set up for a per-token scalar critic; the input is not modified.
+
+    num_labels=1, all head dropouts 0.0 (floats), untied embeddings, `architectures` naming the
+    critic class, and `hidden_size` mirrored from `text_config` for VLMs that lack it at the top.
+    Raises ValueError naming the model type when no critic form exists.
+    """
+    architecture = architecture_name(hf_config)
+    config = copy.deepcopy(hf_config)
+    config.num_labels = 1
+    config.id2label = {0: "VALUE"}
+    config.label2id = {"VALUE": 0}
+    for name in _ZERO_DROPOUTS:
+        setattr(config, name, 0.0)
+    config.tie_word_embeddings = False
+    text_config = config.get_text_config()
+    if text_config is not config:
+        text_config.tie_word_embeddings = False
+        if getattr(config, "hidden_size", None) is None:
+            # trl and verl read config.hidden_size; transformers 5 VLM configs only have it in text_config.
+            config.hidden_size = text_config.hidden_size
+    config.architectures = [architecture]
+    return config

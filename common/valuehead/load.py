@@ -1,0 +1,239 @@
+"""load_critic: any critic checkpoint format -> a `*ForTokenClassification(num_labels=1)` critic.
+
+The backbone is loaded by transformers' own from_pretrained (sharding, dtype, key conversions),
+with the detected head renamed to `score.*` through `key_mapping`. Every key transformers reports
+missing or unexpected is then checked against what the detected format allows, so a head under a
+name we do not know is an error, never a silently re-initialised head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+from common.valuehead._quiet import quiet_transformers
+from common.valuehead.attention import select_attn_implementation
+from common.valuehead.checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
+from common.valuehead.config import critic_class, critic_config, critic_head, head_name, text_hidden_size
+from common.valuehead.errors import CriticLoadError
+from common.valuehead.formats import Detection, detect_format
+
+
+@dataclasses.dataclass(slots=True)
+class LoadReport:
+    """What load_critic found and did; `str(report)` is a readable summary."""
+
+    path: str
+    format: str
+    """Detected source format, e.g. 'trl-value-head' or 'hf-token-classification'."""
+    description: str
+    storage: str
+    """'single-file', 'sharded' or 'sidecar' (where the head was stored)."""
+    family: str
+    """The config's model_type."""
+    critic_class: str
+    head: str
+    """'loaded' when the head weights came from the checkpoint, 'initialized' for a fresh head."""
+    head_source: list[str]
+    """Checkpoint tensors the head was read from (empty for a fresh head)."""
+    bias: str
+    """'loaded', 'zero' (the format has no bias; values unchanged) or 'initialized'."""
+    attn_implementation: str
+    dtype: str
+    missing_keys: list[str]
+    """Critic tensors the checkpoint did not provide (and were initialised)."""
+    unexpected_keys: list[str]
+    """Checkpoint tensors the critic does not use (e.g. a causal LM's lm_head)."""
+
+    def __str__(self) -> str:
+        lines = [
+            f"critic loaded from {self.path}",
+            f"  format       {self.format} ({self.description}; {self.storage})",
+            f"  family       {self.family} -> {self.critic_class} [{self.dtype}, attention {self.attn_implementation}]",
+            f"  head         {self.head}" + (f" from {', '.join(self.head_source)}" if self.head_source else ""),
+            f"  head bias    {self.bias}",
+        ]
+        if self.missing_keys:
+            lines.append(f"  initialised  {', '.join(self.missing_keys)}")
+        if self.unexpected_keys:
+            lines.append(f"  ignored      {', '.join(self.unexpected_keys)}")
+        return "\n".join(lines)
+
+
+def read_config_dict(path: str) -> dict:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise CriticLoadError(f"{path} has no config.json; a critic checkpoint is a Hugging Face model directory")
+    with open(config_file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise CriticLoadError(f"{config_file} is not valid JSON ({err})") from err
+
+
+def load_hf_config(path: str, config_dict: dict, trust_remote_code: bool) -> PretrainedConfig:
+    """AutoConfig for `path`, with errors that say what to do about unknown or custom model types."""
+    model_type = config_dict.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        if "auto_map" in config_dict and not trust_remote_code:
+            raise CriticLoadError(
+                f"{path} needs its own modelling code (config.json has auto_map for model_type "
+                f"{model_type!r}); pass trust_remote_code=True (CLI: --trust-remote-code) if you trust it"
+            )
+        if "auto_map" not in config_dict:
+            raise CriticLoadError(
+                f"unknown model_type {model_type!r} in {path}/config.json: this transformers has no such "
+                f"model family. Check the checkpoint, or upgrade transformers if the family is newer."
+            )
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def output_projection_keys(index: CheckpointIndex, vocab_size: int, prefix: str = "") -> set[str]:
+    """Top-level vocab-sized tensors: a causal LM's output projection (lm_head, GPT-NeoX's embed_out),
+    named as the critic sees them (`prefix` removed).
+
+    A critic never uses them, so they are the only checkpoint tensors it may silently leave out.
+    """
+    names = {key.removeprefix(prefix): info for key, info in index.tensors.items()}
+    return {
+        key for key, info in names.items()
+        if key.startswith("lm_head.") or (key.count(".") == 1 and info.shape[:1] == (vocab_size,))
+    }
+
+
+def _allowed_gaps(detection: Detection, head: str, fresh_head: bool) -> tuple[set[str], set[str]]:
+    """Critic keys that may be missing, and checkpoint keys that may go unused, for this format."""
+    weight, bias = f"{head}.weight", f"{head}.bias"
+    if fresh_head or detection.head_weight is None or detection.head_file:
+        missing = {weight, bias}
+    else:
+        missing = {bias} if detection.head_bias is None else set()
+    unused = {key.removeprefix(detection.backbone_prefix) for key in detection.head_keys} if fresh_head else set()
+    return missing, unused
+
+
+def _check_loading_info(path: str, info: dict, detection: Detection, head: str, fresh_head: bool,
+                        projections: set[str]) -> tuple[list[str], list[str]]:
+    allowed_missing, allowed_unused = _allowed_gaps(detection, head, fresh_head)
+    allowed_unused |= projections
+    if info["mismatched_keys"]:
+        raise CriticLoadError(
+            f"{path}: tensor shapes differ from what its config.json describes: "
+            f"{sorted(map(str, info['mismatched_keys']))[:8]}. The weights and config come from different models."
+        )
+    missing = sorted(info["missing_keys"])
+    bad_missing = [k for k in missing if k not in allowed_missing]
+    if bad_missing:
+        raise CriticLoadError(
+            f"{path} lacks {len(bad_missing)} backbone tensors the critic needs (e.g. {bad_missing[:5]}); "
+            f"the checkpoint is incomplete or belongs to a different model family"
+        )
+    unexpected = sorted(info["unexpected_keys"])
+    bad_unexpected = [k for k in unexpected if k not in allowed_unused]
+    if bad_unexpected:
+        raise CriticLoadError(
+            f"{path} ({detection.format}) holds tensors no known critic layout uses: {bad_unexpected[:8]}. "
+            f"If one of them is the value head, name it with head_prefix='<prefix>' (CLI: --head-prefix); "
+            f"to ignore them and start from a fresh head, pass fresh_head=True (CLI: --fresh-head)."
+        )
+    return missing, unexpected
+
+
+@torch.no_grad()
+def _fill_head(model, path: str, index: CheckpointIndex, detection: Detection, fresh_head: bool,
+               head_init_seed: int) -> tuple[str, str]:
+    """Put the head weights in place: from a sidecar, zero bias, or a seeded fresh init."""
+    score = critic_head(model)
+    if fresh_head or detection.head_weight is None:
+        # Seeded so every rank (and every run) builds the same fresh head, with HF's init scheme.
+        generator = torch.Generator().manual_seed(head_init_seed)
+        std = model.config.get_text_config().initializer_range
+        weight = torch.empty(score.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        score.weight.copy_(weight)
+        score.bias.zero_()
+        return "initialized", "initialized"
+    if detection.head_file is not None:
+        tensors = load_tensors(path, detection.head_file, detection.head_keys)
+        score.weight.copy_(tensors[detection.head_weight])
+        if detection.head_bias is not None:
+            score.bias.copy_(tensors[detection.head_bias])
+    if detection.head_bias is None:
+        score.bias.zero_()
+        return "loaded", "zero"
+    return "loaded", "loaded"
+
+
+def load_critic(
+    path: str,
+    *,
+    torch_dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    config: PretrainedConfig | None = None,
+    head_prefix: str | None = None,
+    fresh_head: bool = False,
+    head_init_seed: int = 0,
+):
+    """Load any critic checkpoint as a per-token critic with a `score` head and no `lm_head`.
+
+    Args:
+      path: a local Hugging Face style model directory (any format in docs/ARCHITECTURE.md).
+      torch_dtype: parameter dtype; values from compute_values are float32 regardless.
+      attn_implementation: None picks flash_attention_2 > sdpa > eager (see attention.py).
+      trust_remote_code: allow model code shipped with the checkpoint.
+      config: use this HF config instead of path/config.json (it is passed through critic_config).
+      head_prefix: the head is stored as `<prefix>.weight` (+ optional `<prefix>.bias`).
+      fresh_head: ignore any head in the checkpoint and start from a fresh, seeded one.
+      head_init_seed: seed of a fresh head, so that all ranks build the same one.
+
+    Returns (model, LoadReport). The model is in eval mode.
+    """
+    path = os.fspath(path)
+    config_dict = read_config_dict(path)
+    hf_config = config if config is not None else load_hf_config(path, config_dict, trust_remote_code)
+    critic_cfg = critic_config(hf_config)
+    index = index_checkpoint(path)
+    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix)
+    if fresh_head:
+        detection = dataclasses.replace(detection, head_file=None)
+    model_cls = critic_class(critic_cfg)
+    attn = select_attn_implementation(model_cls, attn_implementation)
+
+    head_attr = head_name(critic_cfg)
+    key_mapping = detection.key_mapping(head_attr, include_head=not fresh_head)
+    with quiet_transformers():
+        model, info = model_cls.from_pretrained(
+            path,
+            config=critic_cfg,
+            dtype=torch_dtype,
+            attn_implementation=attn,
+            key_mapping=key_mapping or None,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
+    projections = output_projection_keys(index, critic_cfg.get_text_config().vocab_size, detection.backbone_prefix)
+    missing, unexpected = _check_loading_info(path, info, detection, head_attr, fresh_head, projections)
+    head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
+    assert not any(name.split(".")[-1] == "lm_head" for name, _ in model.named_modules()), "critic has an lm_head"
+    model.eval()
+
+    report = LoadReport(
+        path=path,
+        format=detection.format,
+        description=detection.description,
+        storage=detection.storage,
+        family=critic_cfg.model_type,
+        critic_class=type(model).__name__,
+        head=head,
+        head_source=[] if head == "initialized" else detection.head_keys,
+        bias=bias,
+        attn_implementation=model.config._attn_implementation,
+        dtype=str(torch_dtype).removeprefix("torch."),
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+    )
+    return model, report

@@ -1,0 +1,54 @@
+"""save_critic: write a critic as a plain Hugging Face `*ForTokenClassification` checkpoint.
+
+`AutoModelForTokenClassification.from_pretrained(out_dir)` loads the result with no missing or
+unexpected keys. Families transformers has no TokenClassification class for get the same tensors
+(`model.*` + `score.*`) with `architectures=["GenericForTokenClassification"]`, which load_critic
+reads back (docs/ARCHITECTURE.md, "Generic layout").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from common.atomic_dir import atomic_directory
+from common.valuehead._quiet import quiet_transformers
+from common.valuehead.config import architecture_name, critic_config, critic_head
+
+
+def save_critic(
+    model: torch.nn.Module,
+    out_dir: str,
+    *,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write `model` (a critic from load_critic, possibly FSDP-wrapped) to `out_dir` as safetensors.
+
+    `state_dict`: the full state dict to write instead of model.state_dict() (e.g. gathered from
+    FSDP shards on rank 0). The directory appears complete or not at all; an existing non-empty
+    `out_dir` is an error unless `overwrite=True`.
+    """
+    head = critic_head(model)
+    if head.out_features != 1:
+        raise ValueError(f"save_critic expects a scalar critic (a head with 1 output), got {head.out_features}")
+    config = critic_config(model.config)
+    with atomic_directory(os.fspath(out_dir), overwrite=overwrite) as staging:
+        original_config = model.config
+        model.config = config
+        try:
+            with quiet_transformers():
+                model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+        finally:
+            model.config = original_config
+        # save_pretrained writes the Python class name; the generic critic's is our own dynamic class.
+        config_file = os.path.join(staging, "config.json")
+        with open(config_file) as f:
+            written = json.load(f)
+        written["architectures"] = [architecture_name(config)]
+        with open(config_file, "w") as f:
+            json.dump(written, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return os.path.abspath(out_dir)
