@@ -29,9 +29,9 @@ def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remot
     config_dict = read_config_dict(path)
     config = critic_config(load_hf_config(path, config_dict, trust_remote_code))
     index = index_checkpoint(path)
-    detection = detect_format(index, config_dict, text_hidden_size(config), head_prefix=head_prefix)
-    tensors = index.sidecar_tensors if detection.head_file else index.tensors
     head = head_name(config)
+    detection = detect_format(index, config_dict, text_hidden_size(config), head_prefix=head_prefix, head=head)
+    tensors = index.sidecar_tensors if detection.head_file else index.tensors
     if detection.head_weight is None:
         initialised = [f"{head}.weight (fresh head)", f"{head}.bias (zero)"]
     elif detection.head_bias is None:

@@ -99,11 +99,13 @@ def detect_format(
     hidden_size: int,
     *,
     head_prefix: str | None = None,
+    head: str = "score",
 ) -> Detection:
     """Decide the checkpoint's format from its tensor names/shapes and config.json.
 
     `head_prefix` names the head explicitly (`<prefix>.weight`, optional `<prefix>.bias`), for
     checkpoints whose head has a name no format here uses (OpenRLHF's --value_head_prefix).
+    `head` is the critic class's own head name (`classifier` for gpt_neox/gpt2/bloom TokenCls).
     """
     names = index.tensors
     prefix = TRL_WRAPPER_PREFIX if any(k.startswith(TRL_WRAPPER_PREFIX) for k in names) else ""
@@ -147,6 +149,9 @@ def detect_format(
             f"sidecar {index.sidecar} has no {trl.weight!r}; its tensors: {sorted(index.sidecar_tensors)}"
         )
 
+    native = LAYOUTS_BY_FORMAT["hf-token-classification"]
+    if head != "score" and prefix + f"{head}.weight" in names:
+        return found(native.format, native.description, prefix + f"{head}.weight", prefix + f"{head}.bias")
     for layout in KNOWN_HEADS[1:]:
         key = prefix + layout.weight
         if key not in names:
@@ -170,8 +175,6 @@ def detect_format(
                      prefix, storage)
 
 
-_HEAD_WORDS = re.compile(r"(^|\.)(v_head|value_head|score|rm_head|reward_head|output_layer|lm_head|head)(\.|$)")
-
-
 def _head_like(names) -> list[str]:
-    return sorted(k for k in names if _HEAD_WORDS.search(k) and ".layers." not in k)
+    """Top-level tensors (`<module>.<param>`): where heads live, as opposed to backbone internals."""
+    return sorted(k for k in names if k.count(".") == 1)

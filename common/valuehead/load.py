@@ -105,21 +105,19 @@ def output_projection_keys(index: CheckpointIndex, vocab_size: int, prefix: str 
     }
 
 
-def _allowed_gaps(detection: Detection, head: str, fresh_head: bool) -> tuple[set[str], set[str]]:
-    """Critic keys that may be missing, and checkpoint keys that may go unused, for this format."""
+def _allowed_missing(detection: Detection, head: str, fresh_head: bool) -> set[str]:
+    """Critic keys the detected format may leave missing (then initialised)."""
     weight, bias = f"{head}.weight", f"{head}.bias"
     if fresh_head or detection.head_weight is None or detection.head_file:
         missing = {weight, bias}
     else:
         missing = {bias} if detection.head_bias is None else set()
-    unused = {key.removeprefix(detection.backbone_prefix) for key in detection.head_keys} if fresh_head else set()
-    return missing, unused
+    return missing
 
 
 def _check_loading_info(path: str, info: dict, detection: Detection, head: str, fresh_head: bool,
                         projections: set[str]) -> tuple[list[str], list[str]]:
-    allowed_missing, allowed_unused = _allowed_gaps(detection, head, fresh_head)
-    allowed_unused |= projections
+    allowed_missing = _allowed_missing(detection, head, fresh_head)
     if info["mismatched_keys"]:
         raise CriticLoadError(
             f"{path}: tensor shapes differ from what its config.json describes: "
@@ -133,7 +131,8 @@ def _check_loading_info(path: str, info: dict, detection: Detection, head: str, 
             f"the checkpoint is incomplete or belongs to a different model family"
         )
     unexpected = sorted(info["unexpected_keys"])
-    bad_unexpected = [k for k in unexpected if k not in allowed_unused]
+    # A fresh head was asked for: whatever else the checkpoint holds is ignored (and reported).
+    bad_unexpected = [] if fresh_head else [k for k in unexpected if k not in projections]
     if bad_unexpected:
         raise CriticLoadError(
             f"{path} ({detection.format}) holds tensors no known critic layout uses: {bad_unexpected[:8]}. "
@@ -197,13 +196,14 @@ def load_critic(
     hf_config = config if config is not None else load_hf_config(path, config_dict, trust_remote_code)
     critic_cfg = critic_config(hf_config)
     index = index_checkpoint(path)
-    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix)
+    head_attr = head_name(critic_cfg)
+    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix,
+                              head=head_attr)
     if fresh_head:
         detection = dataclasses.replace(detection, head_file=None)
     model_cls = critic_class(critic_cfg)
     attn = select_attn_implementation(model_cls, attn_implementation)
 
-    head_attr = head_name(critic_cfg)
     key_mapping = detection.key_mapping(head_attr, include_head=not fresh_head)
     with quiet_transformers():
         model, info = model_cls.from_pretrained(

@@ -40,7 +40,11 @@ def save_critic(
         model.config = config
         try:
             with quiet_transformers():
-                model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+                # save_original_format=False: write the model's own key names. By default transformers
+                # would reverse the renames used at load time, writing our head back under its source
+                # name (e.g. v_head.summary.*) — the exact mislabelling this project exists to prevent.
+                model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True,
+                                      save_original_format=False)
         finally:
             model.config = original_config
         # save_pretrained writes the Python class name; the generic critic's is our own dynamic class.

@@ -1,0 +1,58 @@
+"""critic_config: the HF config override to a per-token scalar critic, as a pure function."""
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification, PretrainedConfig
+
+from common.testdata import FAMILIES, tiny_config
+from common.tests.helpers import run_pytest
+from common.valuehead import critic_config
+from common.valuehead.config import GENERIC_ARCHITECTURE, critic_class, critic_head
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_override_fields_are_floats_and_input_is_untouched(family):
+    original = tiny_config(family)
+    before = original.to_dict()
+    config = critic_config(original)
+    assert original.to_dict() == before, "critic_config modified its input"
+    assert config.num_labels == 1
+    for name in ("classifier_dropout", "hidden_dropout", "summary_dropout_prob"):
+        value = getattr(config, name)
+        assert type(value) is float and value == 0.0, f"{name}={value!r}"
+    assert config.tie_word_embeddings is False
+    assert config.get_text_config().tie_word_embeddings is False
+    assert config.hidden_size == config.get_text_config().hidden_size == 64
+    expected = GENERIC_ARCHITECTURE if family in ("gemma3_text", "qwen2_vl") else critic_class(config).__name__
+    assert config.architectures == [expected]
+    assert critic_config(config).to_dict() == config.to_dict(), "not idempotent"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_critic_builds_with_a_scalar_head_and_no_dropout(family):
+    config = critic_config(tiny_config(family))
+    torch.manual_seed(0)
+    model = critic_class(config)(config)
+    assert critic_head(model).out_features == 1
+    assert model.dropout.p == 0.0  # the dropout in front of the head
+    ids = torch.randint(3, 900, (2, 5))
+    assert model(input_ids=ids).logits.shape == (2, 5, 1)
+
+
+def test_typed_dropout_family_accepts_the_override():
+    # gpt_neox types hidden_dropout as float|int: verl's string "0" is rejected there; ours builds.
+    config = critic_config(tiny_config("gpt_neox"))
+    model = AutoModelForTokenClassification.from_config(config)
+    assert model.dropout.p == 0.0
+
+
+def test_no_critic_form_is_a_clear_value_error():
+    class MadeUpConfig(PretrainedConfig):
+        model_type = "made_up_family"
+
+    with pytest.raises(ValueError, match="made_up_family.*no critic form"):
+        critic_config(MadeUpConfig(hidden_size=8))
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

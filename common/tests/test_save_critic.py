@@ -1,0 +1,77 @@
+"""save_critic writes a plain HF *ForTokenClassification that transformers loads cleanly."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForTokenClassification
+
+from common.tests import checkpoint_builders as build
+from common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
+from common.valuehead import compute_values, load_critic, save_critic
+from common.valuehead.config import GENERIC_ARCHITECTURE
+
+
+@pytest.mark.parametrize("builder", [build.trl_value_head, build.openrlhf, build.megatron_export])
+def test_round_trip_through_plain_transformers(tmp_path, builder):
+    src, _ = builder(str(tmp_path))
+    model, _ = load_critic(src)
+    out = save_critic(model, str(tmp_path / "critic"))
+    config = AutoConfig.from_pretrained(out)
+    assert config.architectures == ["Qwen2ForTokenClassification"] and config.num_labels == 1
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    plain, info = AutoModelForTokenClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert_close_on_mask(plain(input_ids=ids, attention_mask=mask).logits.squeeze(-1),
+                             compute_values(model, ids, mask), mask, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_vl", "gpt_neox"])
+def test_families_round_trip_through_load_critic(tmp_path, family):
+    src, _ = build.causal_lm(str(tmp_path), family)
+    model, _ = load_critic(src)
+    out = save_critic(model, str(tmp_path / "critic"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    generic = family != "gpt_neox"
+    assert config["architectures"] == [GENERIC_ARCHITECTURE if generic else "GPTNeoXForTokenClassification"]
+    again, report = load_critic(out)
+    assert report.head == "loaded" and report.missing_keys == [] and report.unexpected_keys == []
+    assert report.format == ("generic-token-classification" if generic else "hf-token-classification")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert torch.allclose(compute_values(again, ids, mask), compute_values(model, ids, mask), atol=1e-6)
+
+
+def test_bf16_critic_saves_bf16_and_values_stay_float32(tmp_path):
+    src, _ = build.trl_value_head(str(tmp_path))
+    model, report = load_critic(src, torch_dtype=torch.bfloat16)
+    assert report.dtype == "bfloat16" and next(model.parameters()).dtype == torch.bfloat16
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        values = compute_values(model, ids, mask)
+    assert values.dtype == torch.float32
+    out = save_critic(model, str(tmp_path / "critic-bf16"))
+    again, _ = load_critic(out, torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(compute_values(again, ids, mask), values)
+
+
+def test_existing_directory_is_kept_unless_overwrite(tmp_path):
+    src, _ = build.megatron_export(str(tmp_path))
+    model, _ = load_critic(src)
+    out = tmp_path / "critic"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_critic(model, str(out))
+    assert sorted(os.listdir(out)) == ["precious.txt"]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p], "staging directory left behind"
+    save_critic(model, str(out), overwrite=True)
+    assert "precious.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

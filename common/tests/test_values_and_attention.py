@@ -1,0 +1,91 @@
+"""compute_values on packed rows, dtypes; attention implementation selection."""
+
+import pytest
+import torch
+
+from common.tests import checkpoint_builders as build
+from common.tests.helpers import run_pytest
+from common.valuehead import compute_values, load_critic, select_attn_implementation
+from common.valuehead import attention
+from common.valuehead.config import critic_class, critic_config
+from common.testdata import tiny_config
+
+
+@pytest.fixture(scope="module")
+def critic(tmp_path_factory):
+    path, _ = build.trl_value_head(str(tmp_path_factory.mktemp("trl")))
+    return load_critic(path)[0]
+
+
+def test_packed_rows_equal_separate_sequences(critic):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7]
+    seqs = [torch.randint(3, 990, (n,), generator=g) for n in lengths]
+    packed_ids = torch.cat(seqs)[None]  # (1, 15)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = compute_values(critic, packed_ids, None, position_ids=position_ids)[0]
+        separate = torch.cat([compute_values(critic, s[None], torch.ones(1, len(s), dtype=torch.long))[0] for s in seqs])
+        # Without the position ids the sequences would attend to each other: a check that can fail.
+        mixed = compute_values(critic, packed_ids, torch.ones_like(packed_ids))[0]
+    assert torch.allclose(packed, separate, atol=1e-5)
+    assert not torch.allclose(mixed, separate, atol=1e-3)
+
+
+def test_packed_rows_refuse_a_padding_mask(critic):
+    ids = torch.randint(3, 990, (1, 6))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    with pytest.raises(ValueError, match="packed rows"):
+        compute_values(critic, ids, mask, position_ids=position_ids)
+
+
+def test_bf16_model_gives_float32_values(tmp_path):
+    path, reference = build.trl_value_head(str(tmp_path))
+    model, _ = load_critic(path, torch_dtype=torch.bfloat16)
+    ids = torch.randint(3, 990, (2, 6))
+    with torch.no_grad():
+        values = compute_values(model, ids, torch.ones_like(ids))
+        expected = reference(ids, torch.ones_like(ids))
+    assert values.dtype == torch.float32
+    assert torch.allclose(values, expected, atol=0.1)  # bf16 weights: close, not equal
+
+
+def _cls(family):
+    return critic_class(critic_config(tiny_config(family)))
+
+
+def test_attention_selection(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attention_available", lambda: False)
+    assert select_attn_implementation(_cls("qwen2")) == "sdpa"
+    assert select_attn_implementation(_cls("gemma2")) == "eager"  # Gemma2 refuses sdpa
+    assert select_attn_implementation(_cls("qwen2"), "eager") == "eager"  # explicit wins
+    monkeypatch.setattr(attention, "flash_attention_available", lambda: True)
+    assert select_attn_implementation(_cls("qwen2")) == "flash_attention_2"
+    assert select_attn_implementation(_cls("qwen2"), "sdpa") == "sdpa"
+
+
+def test_flash_attention_needs_both_the_package_and_cuda(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else find_spec(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert attention.flash_attention_available() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert attention.flash_attention_available() is True
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_attn" else find_spec(name))
+    assert attention.flash_attention_available() is False
+
+
+def test_loader_uses_the_selected_implementation(tmp_path):
+    path, _ = build.causal_lm(str(tmp_path), "gemma2")
+    _, report = load_critic(path)
+    assert report.attn_implementation == "eager"
+    path, _ = build.causal_lm(str(tmp_path), "qwen2")
+    assert load_critic(path)[1].attn_implementation == "sdpa"
+    assert load_critic(path, attn_implementation="eager")[1].attn_implementation == "eager"
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
