@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The two commands of critic-adapters (see README.md). Each first runs the idempotent setup.
+#   ./run.sh main   set up, then train a critic on the embedded tiny model and rollouts
+#   ./run.sh test   set up, then run every test: bazel test //...
+# Extra arguments go to the training launcher (main) or to bazel test (test).
+set -euo pipefail
+cd "$(dirname "$0")"
+command=${1:-}
+shift || true
+case "$command" in
+  main)
+    tools/setup.sh
+    export PATH="$PWD/.venv/bin:$PATH"
+    exec python -m backends.fsdp.train --nproc 2 "$@"
+    ;;
+  test)
+    tools/setup.sh
+    export PATH="$PWD/.venv/bin:$PATH"
+    exec bazel test //... "$@"
+    ;;
+  *)
+    echo "usage: ./run.sh main [launcher options] | ./run.sh test [bazel options]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Idempotent setup of everything critic-adapters needs on a fresh Debian machine:
+#   1. system packages: Debian's offline Bazel (bazel-bootstrap + bazel-rules-java), python3-venv;
+#   2. .venv/ with torch (first, so nothing pulls a CUDA build) and the pinned packages;
+#   3. the side trl versions for the trl matrix test, in .overlays/ (never in the venv).
+# Re-running does nothing when nothing changed (a stamp records what .venv was built from).
+#
+# Environment:
+#   TORCH_SPEC   torch requirement to install (default torch==2.13.0; on a GPU machine e.g.
+#                "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
+#   PYTHON       interpreter for the venv (default python3; 3.10+)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { echo "[setup] $*"; }
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+PYTHON=${PYTHON:-python3}
+
+# --- 1. system packages ------------------------------------------------------------------------
+missing=()
+command -v bazel >/dev/null 2>&1 || missing+=(bazel-bootstrap)
+[ -f /usr/share/bazel/rules/java/java/defs.bzl ] || missing+=(bazel-rules-java)
+"$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- 2. the virtualenv --------------------------------------------------------------------------
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $("$PYTHON" --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=$( (echo "$TORCH_SPEC"; .venv/bin/python --version; cat requirements/base.txt requirements/constraints.txt) | sha256sum | cut -d' ' -f1)
+if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$stamp" ]; then
+  log "installing $TORCH_SPEC"
+  # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options (--index-url ...)
+  .venv/bin/pip install -q --disable-pip-version-check $TORCH_SPEC 2>&1 | grep -v "^WARNING: Location" || true
+  log "installing pinned packages (requirements/base.txt)"
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements/base.txt -c requirements/constraints.txt \
+    2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, transformers, trl, safetensors, omegaconf, pyarrow, runfiles" \
+    || { log "the venv is incomplete: an install above failed"; exit 1; }
+  echo "$stamp" > .venv/.setup-stamp
+else
+  log ".venv is up to date"
+fi
+
+# --- 3. side trl versions (for the trl matrix test) --------------------------------------------
+grep -v '^#' requirements/trl-overlays.txt | while read -r version; do
+  [ -n "$version" ] || continue
+  target=.overlays/trl-$version
+  if [ ! -f "$target/.complete" ]; then
+    log "installing trl $version into $target (overlay, not in the venv)"
+    rm -rf "$target"
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --target "$target" "trl==$version" \
+      2>&1 | grep -v "^WARNING: Location" || true
+    [ -f "$target/trl/__init__.py" ] || { log "trl $version did not install"; exit 1; }
+    touch "$target/.complete"
+  fi
+done
+log "ready: .venv ($(.venv/bin/python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"
