@@ -1,0 +1,1 @@
+"""Training backends; each imports `common` and never another backend."""

@@ -1,0 +1,1 @@
+"""FSDP2 (fully_shard) critic engine, checkpointing and launcher."""

@@ -1,0 +1,219 @@
+"""Typed configuration of a critic engine and of the training job, one dataclass per concern.
+
+The launcher builds these from YAML plus `key=value` overrides (OmegaConf structured configs:
+unknown keys are errors with a "did you mean"); library code only ever receives the dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from common.loss import AGG_MODES
+
+DTYPES = ("float32", "bfloat16")
+MIXED_PRECISION = ("none", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "embedded:qwen2"
+    """A Hugging Face model directory in any critic format, or `embedded:<family>` for a tiny random
+    model built from common/testdata/configs/<family>.json (the default job uses embedded:qwen2)."""
+    dtype: str = "float32"
+    """Parameter (master weight) dtype: float32 or bfloat16."""
+    attn_implementation: str | None = None
+    """None: flash_attention_2 when available, else sdpa (or our packed sdpa when packing)."""
+    trust_remote_code: bool = False
+    head_prefix: str | None = None
+    """The checkpoint's head is `<prefix>.weight` (+ bias), for heads under unusual names."""
+    fresh_head: bool = False
+    """Ignore any head in the checkpoint and start from a fresh one."""
+    head_init_seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    """Max global grad norm (across all shards); None disables clipping."""
+    lr_schedule: str = "constant"
+    """constant or cosine (after warmup, down to min_lr_ratio * lr at total_steps)."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    total_steps: int | None = None
+    """Optimizer steps the cosine schedule spans; the launcher fills it in from the data when None."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.lr_schedule={self.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LossConfig:
+    clip_range: float | None = 0.5
+    """Value clip eps around the rollout's old values; None for the unclipped loss."""
+    agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, normalised over
+    the whole mini-batch (all ranks, all micro-batches)."""
+
+    def __post_init__(self):
+        if self.agg_mode not in AGG_MODES:
+            raise ValueError(f"loss.agg_mode={self.agg_mode!r}: use one of {', '.join(AGG_MODES)}")
+        if self.clip_range is not None and self.clip_range <= 0:
+            raise ValueError(f"loss.clip_range={self.clip_range} must be > 0, or null for no clipping")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class BatchingConfig:
+    micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch (per rank): micro-batches are balanced by token count."""
+    micro_batch_size: int | None = None
+    """Fixed number of sequences per micro-batch instead of a token budget (the classic way)."""
+    packing: bool = True
+    """Concatenate sequences without padding (position ids restart per sequence); attention stays
+    per sequence (varlen flash-attention, else per-sequence sdpa)."""
+
+    def __post_init__(self):
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"batching.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"batching.micro_batch_size={self.micro_batch_size} must be >= 1, or null")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
+    mixed_precision: str = "none"
+    """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 head and values."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters and optimizer state in CPU memory (GPU runs)."""
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"engine.mixed_precision={self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISION)}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    train_path: str = "embedded:default"
+    """Rollouts as .parquet or .jsonl (schema in docs/DATA.md), or embedded:default (generated)."""
+    eval_path: str | None = None
+    """Held-out rollouts; when null, eval_fraction of train_path is held out."""
+    eval_fraction: float = 0.1
+    num_rollouts: int = 2048
+    """How many rollouts embedded:default generates."""
+    gamma: float = 1.0
+    """Discount for GAE when the data has per-token rewards instead of returns."""
+    lam: float = 1.0
+    """GAE lambda for the same."""
+    mini_batch_size: int = 64
+    """Sequences per optimizer step, across all ranks."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.mini_batch_size < 1:
+            raise ValueError(f"data.mini_batch_size={self.mini_batch_size} must be >= 1")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"data.gamma={self.gamma} and data.lam={self.lam} must be in [0, 1]")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    run_dir: str = "outputs/critic"
+    """Everything a run writes: checkpoints/, metrics.jsonl, tensorboard/, plot, hf_export/."""
+    epochs: int = 4
+    """Passes over the rollouts (PPO epochs)."""
+    save_every_steps: int = 0
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: bool = False
+    """Continue from the latest checkpoint in run_dir (an error if there is none)."""
+    export_hf: bool = True
+    """Write run_dir/hf_export as a plain *ForTokenClassification at the end."""
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise ValueError(f"trainer.epochs={self.epochs} must be >= 1")
+        if self.keep_last < 1:
+            raise ValueError(f"trainer.keep_last={self.keep_last} must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    backend: str = "fsdp"
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+
+def flat_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted config key of a dataclass tree, e.g. engine.optim.lr."""
+    keys = []
+    for field in dataclasses.fields(cls):
+        name = f"{prefix}{field.name}"
+        field_type = field.default_factory if field.default_factory is not dataclasses.MISSING else None
+        if isinstance(field_type, type) and dataclasses.is_dataclass(field_type):
+            keys += flat_keys(field_type, name + ".")
+        else:
+            keys.append(name)
+    return keys
+
+
+def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfig:
+    """YAML files (later wins) plus `key=value` overrides -> TrainConfig; clear errors on bad keys."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    keys = flat_keys(TrainConfig)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"overrides must look like key=value (e.g. engine.optim.lr=1e-4); got {bad}")
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+")
+        if key not in keys and not any(k.startswith(key + ".") for k in keys):
+            close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else f"; keys are: {', '.join(keys)}"
+            raise ValueError(f"unknown config key {key!r}{hint}")
+    merged = OmegaConf.structured(TrainConfig)
+    try:
+        for path in yaml_paths:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        return OmegaConf.to_object(merged)
+    except ConfigKeyError as err:
+        key = err.full_key or str(err)
+        close = difflib.get_close_matches(str(key), keys, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(f"unknown config key {key!r} in {yaml_paths}{hint}") from None
+    except OmegaConfBaseException as err:
+        raise ValueError(f"bad config value: {err}") from None
+
+
+def to_yaml(config: TrainConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

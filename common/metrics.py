@@ -1,0 +1,71 @@
+"""Training metrics: a JSONL file, TensorBoard scalars, and a PNG plot of loss and explained variance."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to run_dir/metrics.jsonl (and TensorBoard); rank 0 only."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": prefix, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _finite_or_none(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> str:
+    """value_loss and explained_variance against step (train, and eval points when logged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, (ax_loss, ax_ev) = plt.subplots(1, 2, figsize=(11, 4))
+    for split, style in (("train", "-"), ("eval", "o-")):
+        rows = [r for r in records if r["split"] == split]
+        if not rows:
+            continue
+        steps = [r["step"] for r in rows]
+        ax_loss.plot(steps, [r.get("value_loss") for r in rows], style, label=split)
+        ax_ev.plot(steps, [r.get("explained_variance") for r in rows], style, label=split)
+    ax_loss.set(title="value loss", xlabel="optimizer step", yscale="log")
+    ax_ev.set(title="explained variance", xlabel="optimizer step", ylim=(-0.5, 1.05))
+    for ax in (ax_loss, ax_ev):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
