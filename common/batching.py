@@ -26,7 +26,8 @@ def plan_token_budget(lengths: list[int], budget: int, *, min_micro_batches: int
     there are fewer sequences), so that every data-parallel rank runs the same number.
     Each micro-batch lists row indices in ascending order.
     """
-    total = sum(lengths)
+    # A sequence over the budget fills a micro-batch on its own: count it as exactly one budget.
+    total = sum(min(n, budget) for n in lengths)
     count = max(min_micro_batches, -(-total // budget) if total else 1)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     while True:

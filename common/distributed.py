@@ -69,3 +69,10 @@ def broadcast_object(obj, src: int = 0):
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly (after every engine is closed)."""
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation:
   update(batch) -> metrics                                       (one optimizer step on a mini-batch)
   save_checkpoint(dir, extra_state) / load_checkpoint(dir) -> extra_state
   export_hf(dir)                                                 (a plain *ForTokenClassification)
+  close()                                                        (release it; before the process group)
 Each rank passes its own share of a mini-batch; the engine normalises the loss over all ranks.
 
 Importing this module imports no backend: the registry maps names to module paths, imported
@@ -60,6 +61,8 @@ class CriticEngine(Protocol):
     def load_checkpoint(self, directory: str) -> dict: ...
 
     def export_hf(self, directory: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 # backend name -> "module:factory"; factory(config, dist) -> CriticEngine.

@@ -135,7 +135,10 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
 
     model_path = resolve_model_path(config.engine.model.path, run_dir, dist)
     prepared_file = os.path.join(run_dir, PREPARED)
-    resuming = trainer.resume and os.path.isfile(prepared_file)
+    resuming = trainer.resume
+    if resuming and not os.path.isfile(prepared_file):
+        raise ValueError(f"--resume: {prepared_file} is missing, so the run's old values and returns cannot be "
+                         f"restored; resume in the run_dir the checkpoint came from")
     if resuming:
         prepared = torch.load(prepared_file, weights_only=True)
         train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
@@ -149,7 +152,23 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
     engine_cfg = dataclasses.replace(config.engine, optim=optim, model=model_cfg)
 
     engine = build_engine(config.backend, engine_cfg, dist)
-    say(engine.load_report)
+    try:
+        return _train(engine, config, dist, train, held_out, latest, resuming, say)
+    finally:
+        engine.close()
+
+
+def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts,
+           latest: str | None, resuming: bool, say) -> dict[str, float]:
+    trainer = config.trainer
+    main = dist.is_main
+    run_dir = os.path.abspath(trainer.run_dir)
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    prepared_file = os.path.join(run_dir, PREPARED)
+    mini = config.data.mini_batch_size
+    steps_per_epoch = math.ceil(len(train) / mini)
+    total_steps = steps_per_epoch * trainer.epochs
+    say(str(engine.load_report))
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
         f"{trainer.epochs} epochs, mini-batch {mini} sequences over {dist.world_size} rank(s)")
 

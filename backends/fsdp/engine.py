@@ -6,6 +6,7 @@ Built through common.engine.build_engine("fsdp", config, dist); see common/engin
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 
@@ -111,9 +112,9 @@ class FSDPCriticEngine:
                 out[mb.rows] = values.cpu()
         return out
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on this rank's share of a mini-batch; returns global metrics."""
-        start = time.perf_counter()
+    def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
+        """Forward/backward over this rank's micro-batches (the first half of update); returns this
+        rank's loss and token sums. Gradients are those of the global mini-batch loss."""
         self._check_ids(batch.input_ids, batch.attention_mask)
         loss_cfg = self.config.loss
         self.model.train()
@@ -122,7 +123,6 @@ class FSDPCriticEngine:
         (normalizer,) = all_reduce([loss_normalizer(batch.response_mask, loss_cfg.agg_mode)])
         (horizon,) = all_reduce([batch.input_ids.shape[1]], op="max")
 
-        # Sums over this rank's valid tokens, reduced across ranks for the metrics.
         totals = dict.fromkeys(("loss", "clipped", "valid", "r", "r2", "res", "res2"), 0.0)
         for mb in self._micro_batches(batch.input_ids, batch.attention_mask):
             values, raw = self._forward(mb, batch.input_ids.shape[1])
@@ -147,18 +147,23 @@ class FSDPCriticEngine:
                 totals["r2"] += float((r * r).sum())
                 totals["res"] += float(residual.sum())
                 totals["res2"] += float((residual * residual).sum())
+        return totals
 
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch; returns global metrics."""
+        start = time.perf_counter()
+        totals = self.accumulate_gradients(batch)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         grad_norm = self._clip_and_step()
         reduced = all_reduce(list(totals.values()) + [float(batch.attention_mask.sum())])
         g = dict(zip(totals, reduced))
-        tokens = reduced[-1]
         return {
             "value_loss": g["loss"],
             "clip_fraction": g["clipped"] / g["valid"] if g["valid"] else 0.0,
             "explained_variance": _explained_variance(g["valid"], g["r"], g["r2"], g["res"], g["res2"]),
             "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
-            "tokens_per_s": tokens / (time.perf_counter() - start),
+            "lr": lr,
+            "tokens_per_s": reduced[-1] / (time.perf_counter() - start),
             "valid_tokens": g["valid"],
         }
 
@@ -186,6 +191,13 @@ class FSDPCriticEngine:
         if self.dist.is_main:
             save_critic(self.model, directory, state_dict=full, overwrite=True)
         barrier()
+
+
+    def close(self) -> None:
+        """Release the sharded model and optimizer. Call before destroying the process group: FSDP
+        state still referencing gloo work at interpreter exit can abort the process."""
+        del self.model, self.optimizer, self.scheduler
+        gc.collect()
 
 
 def _explained_variance(n: float, r_sum: float, r_sq: float, res_sum: float, res_sq: float) -> float:

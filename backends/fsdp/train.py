@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(config))
         return 0
 
-    from common.distributed import init_distributed
+    from common.distributed import init_distributed, shutdown
     from common.trainer import dry_run, run_training
 
     dist = init_distributed()
@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed
-
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        shutdown()
     return 0
 
 

@@ -1,0 +1,60 @@
+"""Torchrun worker for test_checkpoints: save on one world size, load on another, export to HF.
+
+  python -m backends.fsdp.tests.checkpoint_worker train-save   MODEL_DIR BATCH.pt WORKDIR
+  python -m backends.fsdp.tests.checkpoint_worker load-continue MODEL_DIR BATCH.pt WORKDIR
+  python -m backends.fsdp.tests.checkpoint_worker load-other   OTHER_MODEL_DIR BATCH.pt WORKDIR
+Rank 0 writes the values it sees to WORKDIR/<mode>-world<N>.pt.
+"""
+
+import os
+import sys
+
+import torch
+
+from backends.fsdp.engine import FSDPCriticEngine
+from backends.fsdp.tests.parity_worker import gather_rows
+from common.config import EngineConfig, ModelConfig, OptimConfig
+from common.distributed import init_distributed, shutdown
+from common.engine import RolloutBatch
+
+
+def main():
+    mode, model_dir, batch_file, workdir = sys.argv[1:5]
+    dist = init_distributed()
+    data = torch.load(batch_file)
+    mine = torch.arange(dist.rank, data["input_ids"].shape[0], dist.world_size)
+    batch = RolloutBatch(*(data[k][mine] for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")))
+    config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, lr_schedule="cosine",
+                                                                                warmup_steps=2, total_steps=10))
+    engine = FSDPCriticEngine(config, dist)
+    shape = data["input_ids"].shape
+    values = lambda: gather_rows(dist, mine, engine.compute_values(batch.input_ids, batch.attention_mask), shape)  # noqa: E731
+    out = {}
+    checkpoint = os.path.join(workdir, "checkpoint")
+    if mode == "train-save":
+        for _ in range(3):
+            engine.update(batch)
+        engine.save_checkpoint(checkpoint, {"position": 3})
+        out["saved"] = values()
+        engine.export_hf(os.path.join(workdir, "hf_export"))
+        engine.update(batch)
+        out["continued"] = values()
+    elif mode == "load-continue":
+        out["extra"] = engine.load_checkpoint(checkpoint)
+        out["loaded"] = values()
+        out["lr"] = engine.scheduler.get_last_lr()[0]
+        engine.update(batch)
+        out["continued"] = values()
+    elif mode == "load-other":
+        try:
+            engine.load_checkpoint(checkpoint)
+        except ValueError as err:
+            out["error"] = str(err)
+    engine.close()
+    if dist.is_main:
+        torch.save(out, os.path.join(workdir, f"{mode}-world{dist.world_size}.pt"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

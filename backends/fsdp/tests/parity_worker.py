@@ -1,0 +1,63 @@
+"""Torchrun worker for test_engine_parity: the engine's values, loss and full gradients on a fixed
+batch, for several batching variants, written by rank 0 to OUT.
+
+  python -m backends.fsdp.tests.parity_worker MODEL_DIR BATCH.pt OUT.pt
+"""
+
+import sys
+
+import torch
+import torch.distributed as torch_dist
+
+from backends.fsdp.engine import FSDPCriticEngine
+from common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+from common.distributed import all_reduce, init_distributed, shutdown
+from common.engine import RolloutBatch
+
+# name -> (batching, agg_mode); budgets small enough to force several micro-batches.
+VARIANTS = {
+    "packed-budget": (BatchingConfig(packing=True, micro_batch_tokens=40), "token-mean"),
+    "padded-budget": (BatchingConfig(packing=False, micro_batch_tokens=40), "token-mean"),
+    "packed-fixed": (BatchingConfig(packing=True, micro_batch_size=2), "token-mean"),
+    "padded-fixed": (BatchingConfig(packing=False, micro_batch_size=3), "token-mean"),
+    "packed-one-micro-batch": (BatchingConfig(packing=True, micro_batch_tokens=100000), "token-mean"),
+    "packed-budget-seq-mean": (BatchingConfig(packing=True, micro_batch_tokens=40), "seq-mean-token-mean"),
+    "padded-fixed-seq-mean": (BatchingConfig(packing=False, micro_batch_size=1), "seq-mean-token-mean"),
+}
+
+
+def gather_rows(dist, mine: torch.Tensor, local: torch.Tensor, shape) -> torch.Tensor:
+    shares = [None] * dist.world_size
+    torch_dist.all_gather_object(shares, (mine, local))
+    out = torch.zeros(shape)
+    for index, values in shares:
+        out[index] = values
+    return out
+
+
+def main():
+    model_dir, batch_file, out_file = sys.argv[1:4]
+    dist = init_distributed()
+    data = torch.load(batch_file)
+    mine = torch.arange(dist.rank, data["input_ids"].shape[0], dist.world_size)
+    batch = RolloutBatch(*(data[k][mine] for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")))
+    results = {}
+    for name, (batching, agg_mode) in VARIANTS.items():
+        config = EngineConfig(model=ModelConfig(path=model_dir), batching=batching, optim=OptimConfig(lr=1e-3),
+                              loss=LossConfig(clip_range=0.2, agg_mode=agg_mode))
+        engine = FSDPCriticEngine(config, dist)
+        values = gather_rows(dist, mine, engine.compute_values(batch.input_ids, batch.attention_mask),
+                             data["input_ids"].shape)
+        totals = engine.accumulate_gradients(batch)
+        (loss,) = all_reduce([totals["loss"]])
+        grads = {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
+        results[name] = {"values": values, "loss": loss, "grads": grads, "agg_mode": agg_mode,
+                         "attn": engine.load_report.attn_implementation}
+        engine.close()
+    if dist.is_main:
+        torch.save(results, out_file)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""DCP checkpoints reshard between world sizes, refuse other models, and export a plain HF critic."""
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification
+
+from backends.fsdp.tests.launch import run_torchrun
+from backends.fsdp.tests.test_engine_parity import make_batch
+from common.testdata import save_tiny_causal_lm
+from common.tests.helpers import run_pytest
+
+WORKER = "backends.fsdp.tests.checkpoint_worker"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    model_dir = save_tiny_causal_lm("qwen2", str(root / "model"))
+    data = make_batch(str(root / "batch.pt"))
+    return root, model_dir, data
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
+def test_checkpoint_loads_on_another_world_size(inputs, save_world, load_world):
+    root, model_dir, data = inputs
+    work = root / f"{save_world}to{load_world}"
+    work.mkdir()
+    batch = str(root / "batch.pt")
+    run_torchrun(save_world, WORKER, "train-save", model_dir, batch, str(work))
+    run_torchrun(load_world, WORKER, "load-continue", model_dir, batch, str(work))
+    saved = torch.load(work / f"train-save-world{save_world}.pt")
+    loaded = torch.load(work / f"load-continue-world{load_world}.pt")
+    mask = data["attention_mask"].bool()
+    assert loaded["extra"] == {"position": 3}
+    # Same weights after loading (any world size) ...
+    assert float((loaded["loaded"] - saved["saved"]).abs()[mask].max()) <= 1e-6
+    # ... and the optimizer/scheduler state came along: the next step lands where the original run's did.
+    assert float((loaded["continued"] - saved["continued"]).abs()[mask].max()) <= 1e-5
+    assert float((loaded["continued"] - loaded["loaded"]).abs()[mask].max()) > 1e-4  # the step did something
+    # Warmup 2 steps, then cosine over 10: the 4th step (index 3) is 1/8 into the decay.
+    assert loaded["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 8)))
+
+
+def test_hf_export_loads_in_plain_transformers_with_the_engines_values(inputs):
+    root, model_dir, data = inputs
+    work = root / "export"
+    work.mkdir()
+    run_torchrun(2, WORKER, "train-save", model_dir, str(root / "batch.pt"), str(work))
+    saved = torch.load(work / "train-save-world2.pt")
+    model, info = AutoModelForTokenClassification.from_pretrained(str(work / "hf_export"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.architectures == ["Qwen2ForTokenClassification"] and model.config.num_labels == 1
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits.squeeze(-1)
+    mask = data["attention_mask"].bool()
+    assert float((logits - saved["saved"]).abs()[mask].max()) <= 1e-5
+
+
+def test_checkpoint_of_another_model_is_refused(inputs):
+    root, model_dir, _ = inputs
+    work = root / "other"
+    work.mkdir()
+    batch = str(root / "batch.pt")
+    run_torchrun(1, WORKER, "train-save", model_dir, batch, str(work))
+    other = save_tiny_causal_lm("llama", str(root / "other-model"))
+    run_torchrun(1, WORKER, "load-other", other, batch, str(work))
+    error = torch.load(work / "load-other-world1.pt")["error"]
+    assert "belongs to another model" in error and "model_type" in error
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(inputs):
+    """A staging directory left by a killed save is never mistaken for a checkpoint."""
+    from common import checkpoints
+
+    root, model_dir, _ = inputs
+    ckpts = root / "interrupted" / "checkpoints"
+    good = ckpts / "step_000004"
+    good.mkdir(parents=True)
+    (good / checkpoints.META_FILE).write_text("{}")
+    checkpoints.mark_latest(str(ckpts), str(good))
+    half = ckpts / ".step_000008.tmp-abc"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    assert checkpoints.find_latest(str(ckpts)) == str(good)
+    os.remove(ckpts / checkpoints.LATEST)
+    (ckpts / "step_000006").mkdir()  # no marker: incomplete
+    assert checkpoints.find_latest(str(ckpts)) == str(good)
+    checkpoints.prune(str(ckpts), keep_last=2)
+    assert not half.exists() and good.exists()
+    shutil.rmtree(root / "interrupted")
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

@@ -1,0 +1,101 @@
+"""Token-budget micro-batching, packing round trips, and the per-sequence packed attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import packed_attention
+from common.batching import make_micro_batches, plan_fixed_size, plan_token_budget
+from common.tests.helpers import run_pytest
+
+
+def test_token_budget_balances_by_tokens_not_rows():
+    lengths = [100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 90]
+    plan = plan_token_budget(lengths, budget=110)
+    loads = sorted(sum(lengths[i] for i in mb) for mb in plan)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    assert max(loads) <= 110 and max(loads) - min(loads) <= 10, loads
+    # Row-count batching of the same data would put 100 + 90 tokens together.
+    assert any(sum(lengths[i] for i in mb) > 110 for mb in plan_fixed_size(len(lengths), 6))
+
+
+def test_budget_edge_cases():
+    assert plan_token_budget([500], budget=100) == [[0]]  # too long: alone, never dropped
+    assert plan_token_budget([], budget=100) == [[]]
+    plan = plan_token_budget([5, 5], budget=100, min_micro_batches=4)  # another rank needs 4
+    assert len(plan) == 4 and sorted(sum(plan, [])) == [0, 1]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("left_padding", [True, False])
+def test_micro_batches_round_trip_every_token(packing, left_padding):
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 12, 1, 9]
+    T = 12
+    ids = torch.randint(1, 100, (5, T), generator=g)
+    mask = torch.zeros(5, T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left_padding:
+            mask[i, T - n:] = 1
+        else:
+            mask[i, :n] = 1
+    out = torch.zeros(5, T)
+    for mb in make_micro_batches(ids, mask, packing=packing, token_budget=16):
+        if packing:
+            assert mb.input_ids.shape[0] == 1 and mb.attention_mask is None
+            assert mb.input_ids.shape[1] == sum(lengths[r] for r in mb.rows) <= 16 or len(mb.rows) == 1
+            # positions restart at 0 for each sequence
+            assert int((mb.position_ids == 0).sum()) == len(mb.rows)
+        out[mb.rows] = mb.unpack(mb.input_ids.float(), T)
+    assert torch.equal(out, (ids * mask).float())
+
+
+def _reference_attention(q, k, v, lengths, scale):
+    outs, start = [], 0
+    for n in lengths:
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:start + n], k[:, :, start:start + n],
+                                                   v[:, :, start:start + n], is_causal=True, scale=scale,
+                                                   enable_gqa=True))
+        start += n
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_attention_equals_attention_per_sequence(kv_heads):
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 8, 5, 1, 8]
+    n = sum(lengths)
+    q = torch.randn(1, 4, n, 16, generator=g)
+    k = torch.randn(1, kv_heads, n, 16, generator=g)
+    v = torch.randn(1, kv_heads, n, 16, generator=g)
+    position_ids = torch.cat([torch.arange(m) for m in lengths])[None]
+    module = torch.nn.Module()
+    out, _ = packed_attention.packed_sdpa_attention(module, q, k, v, None, scaling=0.25, position_ids=position_ids)
+    expected = _reference_attention(q, k, v, lengths, 0.25)
+    assert out.shape == (1, n, 4, 16)
+    assert torch.allclose(out, expected, atol=1e-6)
+    # Attention over the whole row would differ: the check can fail.
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True).transpose(1, 2)
+    assert not torch.allclose(whole, expected, atol=1e-3)
+
+
+def test_packed_attention_honours_a_sliding_window():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    out, _ = packed_attention.packed_sdpa_attention(torch.nn.Module(), q, k, v, None, sliding_window=2,
+                                                    position_ids=torch.arange(6)[None])
+    i = torch.arange(6)
+    window = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 2)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=window).transpose(1, 2)
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_packed_attention_refuses_a_padding_mask():
+    packed_attention.register()
+    with pytest.raises(ValueError, match="packed rows only"):
+        packed_attention._refuse_padding_mask(attention_mask=torch.tensor([[1, 1, 0]]))
+    assert packed_attention._refuse_padding_mask(attention_mask=torch.ones(1, 3)) is None
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
