@@ -50,28 +50,39 @@ def packed_sdpa_attention(
     """query (B, Hq, N, D), key/value (B, Hkv, N, D) -> (B, N, Hq, D), as transformers expects."""
     assert attention_mask is None, "critic_packed_sdpa never receives a mask (see _refuse_padding_mask)"
     batch, _, length, _ = query.shape
-    out = torch.empty_like(query)
     dropout = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
+
+    def attend(q, k, v, span):
+        if sliding_window is not None and span > sliding_window:
+            mask = _causal_window_mask(span, sliding_window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
+                                              enable_gqa=gqa)
+
+    rows = []
     for b in range(batch):
         spans = segment_bounds(position_ids[b]) if position_ids is not None else [(0, length)]
         by_length: dict[int, list[int]] = {}
         for start, end in spans:
             by_length.setdefault(end - start, []).append(start)
+        pieces: dict[int, torch.Tensor] = {}  # span start -> (H, L, D) output
         for span, starts in by_length.items():
-            # Spans of equal length run as one batched call: (S, H, L, D).
-            index = (torch.tensor(starts, device=query.device)[:, None] + torch.arange(span, device=query.device)).flatten()
-            q = query[b][:, index].unflatten(1, (len(starts), span)).transpose(0, 1)
-            k = key[b][:, index].unflatten(1, (len(starts), span)).transpose(0, 1)
-            v = value[b][:, index].unflatten(1, (len(starts), span)).transpose(0, 1)
-            if sliding_window is not None and span > sliding_window:
-                mask = _causal_window_mask(span, sliding_window, query.device)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                   enable_gqa=gqa)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
-                                                   enable_gqa=gqa)
-            out[b][:, index] = o.transpose(0, 1).flatten(1, 2)
+            if len(starts) == 1:  # a slice is a view: no gather needed
+                s0 = starts[0]
+                pieces[s0] = attend(query[b:b + 1, :, s0:s0 + span], key[b:b + 1, :, s0:s0 + span],
+                                    value[b:b + 1, :, s0:s0 + span], span)[0]
+                continue
+            # Several spans of one length run as a single batched call: (S, H, L, D).
+            index = (torch.tensor(starts, device=query.device)[:, None]
+                     + torch.arange(span, device=query.device)).flatten()
+            gather = lambda t: t[b][:, index].unflatten(1, (len(starts), span)).transpose(0, 1)  # noqa: E731
+            out = attend(gather(query), gather(key), gather(value), span)
+            for i, s0 in enumerate(starts):
+                pieces[s0] = out[i]
+        rows.append(torch.cat([pieces[s0] for s0 in sorted(pieces)], dim=1))
+    out = torch.stack(rows) if batch > 1 else rows[0][None]
     return out.transpose(1, 2).contiguous(), None
 
 

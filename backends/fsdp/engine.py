@@ -58,16 +58,21 @@ class FSDPCriticEngine:
             head_init_seed=config.model.head_init_seed,
         )
         model.to(dist.device)
+        cpu_offload = config.cpu_offload
+        if cpu_offload and dist.device.type == "cpu":
+            warnings.warn("engine.cpu_offload is ignored: this run is on CPU already (it offloads GPU shards)")
+            cpu_offload = False
         self.mesh = init_device_mesh(dist.device.type, (dist.world_size,))
         self.model = parallelize_critic(
             model, self.mesh,
             mixed_precision=config.mixed_precision,
             gradient_checkpointing=config.gradient_checkpointing,
-            cpu_offload=config.cpu_offload,
+            cpu_offload=cpu_offload,
         )
         optim = config.optim
+        # fused: one kernel for all parameters instead of a dozen elementwise ops per parameter.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                           eps=optim.eps, weight_decay=optim.weight_decay)
+                                           eps=optim.eps, weight_decay=optim.weight_decay, fused=True)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.vocab_size = self.model.config.get_text_config().vocab_size
 

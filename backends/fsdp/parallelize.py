@@ -42,7 +42,11 @@ def parallelize_critic(
     offload = CPUOffloadPolicy() if cpu_offload else None
     common = {"mesh": mesh, **({"offload_policy": offload} if offload else {})}
 
-    # 3. FSDP2: per decoder layer, the head, then the root (embeddings, final norm).
+    # 3. FSDP2: per decoder layer, the head, then the root (embeddings, final norm). On a single rank
+    #    there is nothing to shard: FSDP would only copy parameters and gradients in and out, so it is
+    #    applied there only for the policies it carries (mixed precision, CPU offload).
+    if mesh.size() == 1 and mixed_precision == "none" and not cpu_offload:
+        return model
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=body_policy, **common)
     fully_shard(critic_head(model), mp_policy=head_policy, **common)

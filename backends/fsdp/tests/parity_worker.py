@@ -8,6 +8,7 @@ import sys
 
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.tensor import DTensor
 
 from backends.fsdp.engine import FSDPCriticEngine
 from common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
@@ -24,6 +25,11 @@ VARIANTS = {
     "packed-budget-seq-mean": (BatchingConfig(packing=True, micro_batch_tokens=40), "seq-mean-token-mean"),
     "padded-fixed-seq-mean": (BatchingConfig(packing=False, micro_batch_size=1), "seq-mean-token-mean"),
 }
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered from shards under FSDP (world > 1), as is on a single rank."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).clone()
 
 
 def gather_rows(dist, mine: torch.Tensor, local: torch.Tensor, shape) -> torch.Tensor:
@@ -50,9 +56,10 @@ def main():
                              data["input_ids"].shape)
         totals = engine.accumulate_gradients(batch)
         (loss,) = all_reduce([totals["loss"]])
-        grads = {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
+        grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
         results[name] = {"values": values, "loss": loss, "grads": grads, "agg_mode": agg_mode,
-                         "attn": engine.load_report.attn_implementation}
+                         "attn": engine.load_report.attn_implementation,
+                         "sharded": isinstance(next(engine.model.parameters()), DTensor)}
         engine.close()
     if dist.is_main:
         torch.save(results, out_file)
