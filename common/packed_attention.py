@@ -77,8 +77,9 @@ def packed_sdpa_attention(
             # Several spans of one length run as a single batched call: (S, H, L, D).
             index = (torch.tensor(starts, device=query.device)[:, None]
                      + torch.arange(span, device=query.device)).flatten()
-            gather = lambda t: t[b][:, index].unflatten(1, (len(starts), span)).transpose(0, 1)  # noqa: E731
-            out = attend(gather(query), gather(key), gather(value), span)
+            shape = (len(starts), span)
+            q, k, v = (t[b][:, index].unflatten(1, shape).transpose(0, 1) for t in (query, key, value))
+            out = attend(q, k, v, span)
             for i, s0 in enumerate(starts):
                 pieces[s0] = out[i]
         rows.append(torch.cat([pieces[s0] for s0 in sorted(pieces)], dim=1))

@@ -222,8 +222,19 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     if main and trainer.plot:
         say(f"plot: {plot_metrics(metrics_log.path, os.path.join(run_dir, 'training.png'))}")
     final = evaluate(engine, held_out, config, dist)
+    say(_sample_line(engine, held_out, dist))
     say(f"final explained_variance={final['explained_variance']:.4f}")
     return final
+
+
+def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
+    """The trained critic's values next to the returns for the first response tokens of held-out rollout 0."""
+    first = rollouts.select(torch.tensor([0]))
+    predictions = shift_to_tokens(_distributed_values(engine, first, dist))[0]
+    tokens = first.response_mask[0].bool().nonzero().flatten()[:8]
+    values = [round(v, 3) for v in predictions[tokens].tolist()]
+    returns = [round(r, 3) for r in first.returns[0, tokens].tolist()]
+    return f"held-out rollout 0, first response tokens: values {values} vs returns {returns}"
 
 
 def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say) -> None:

@@ -60,7 +60,8 @@ class FSDPCriticEngine:
         model.to(dist.device)
         cpu_offload = config.cpu_offload
         if cpu_offload and dist.device.type == "cpu":
-            warnings.warn("engine.cpu_offload is ignored: this run is on CPU already (it offloads GPU shards)")
+            warnings.warn("engine.cpu_offload is ignored: this run is on CPU already (it offloads GPU shards)",
+                          stacklevel=2)
             cpu_offload = False
         self.mesh = init_device_mesh(dist.device.type, (dist.world_size,))
         self.model = parallelize_critic(

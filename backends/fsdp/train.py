@@ -41,6 +41,8 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run`: relative paths mean the user's directory
+        os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
     args = _parse(argv)
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ and not (args.print_config or args.dry_run):
         passthrough = [a for a in argv if not a.startswith("--nproc")]

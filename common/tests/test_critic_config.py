@@ -54,5 +54,16 @@ def test_no_critic_form_is_a_clear_value_error():
         critic_config(MadeUpConfig(hidden_size=8))
 
 
+def test_configs_are_found_through_runfiles_under_bazel():
+    import os
+
+    from common.testdata import data_path
+
+    path = data_path("configs/qwen2.json")
+    assert os.path.isfile(path)
+    if os.environ.get("TEST_SRCDIR"):  # under `bazel test`: the declared data, from the runfiles tree
+        assert ".runfiles" in path, path
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

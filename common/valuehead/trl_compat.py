@@ -18,7 +18,7 @@ def _import_from(module: str):
         # trl.experimental warns on every import; the location is exactly what this shim handles.
         warnings.simplefilter("ignore")
         mod = __import__(module, fromlist=["AutoModelForCausalLMWithValueHead"])
-    return getattr(mod, "AutoModelForCausalLMWithValueHead")
+    return mod.AutoModelForCausalLMWithValueHead
 
 
 def trl_value_head_class() -> type | None:

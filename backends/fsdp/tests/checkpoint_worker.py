@@ -12,18 +12,15 @@ import sys
 import torch
 
 from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.parity_worker import gather_rows
+from backends.fsdp.tests.worker_common import gather_rows, rank_share
 from common.config import EngineConfig, ModelConfig, OptimConfig
 from common.distributed import init_distributed, shutdown
-from common.engine import RolloutBatch
 
 
 def main():
     mode, model_dir, batch_file, workdir = sys.argv[1:5]
     dist = init_distributed()
-    data = torch.load(batch_file)
-    mine = torch.arange(dist.rank, data["input_ids"].shape[0], dist.world_size)
-    batch = RolloutBatch(*(data[k][mine] for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")))
+    data, mine, batch = rank_share(batch_file, dist)
     config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, lr_schedule="cosine",
                                                                                 warmup_steps=2, total_steps=10))
     engine = FSDPCriticEngine(config, dist)

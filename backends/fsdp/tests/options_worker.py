@@ -9,19 +9,16 @@ import warnings
 import torch
 
 from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.parity_worker import gather_rows
+from backends.fsdp.tests.worker_common import gather_rows, rank_share
 from common.config import EngineConfig, ModelConfig, OptimConfig
 from common.distributed import init_distributed, shutdown
-from common.engine import RolloutBatch
 from common.valuehead.config import critic_head
 
 
 def main():
     model_dir, batch_file, out_file = sys.argv[1:4]
     dist = init_distributed()
-    data = torch.load(batch_file)
-    mine = torch.arange(dist.rank, data["input_ids"].shape[0], dist.world_size)
-    batch = RolloutBatch(*(data[k][mine] for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")))
+    data, mine, batch = rank_share(batch_file, dist)
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -7,13 +7,12 @@ batch, for several batching variants, written by rank 0 to OUT.
 import sys
 
 import torch
-import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor
 
 from backends.fsdp.engine import FSDPCriticEngine
+from backends.fsdp.tests.worker_common import full, gather_rows, rank_share
 from common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
 from common.distributed import all_reduce, init_distributed, shutdown
-from common.engine import RolloutBatch
 
 # name -> (batching, agg_mode); budgets small enough to force several micro-batches.
 VARIANTS = {
@@ -27,26 +26,10 @@ VARIANTS = {
 }
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: gathered from shards under FSDP (world > 1), as is on a single rank."""
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).clone()
-
-
-def gather_rows(dist, mine: torch.Tensor, local: torch.Tensor, shape) -> torch.Tensor:
-    shares = [None] * dist.world_size
-    torch_dist.all_gather_object(shares, (mine, local))
-    out = torch.zeros(shape)
-    for index, values in shares:
-        out[index] = values
-    return out
-
-
 def main():
     model_dir, batch_file, out_file = sys.argv[1:4]
     dist = init_distributed()
-    data = torch.load(batch_file)
-    mine = torch.arange(dist.rank, data["input_ids"].shape[0], dist.world_size)
-    batch = RolloutBatch(*(data[k][mine] for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")))
+    data, mine, batch = rank_share(batch_file, dist)
     results = {}
     for name, (batching, agg_mode) in VARIANTS.items():
         config = EngineConfig(model=ModelConfig(path=model_dir), batching=batching, optim=OptimConfig(lr=1e-3),

@@ -3,12 +3,10 @@ bit-identical weights; a 2-rank checkpoint resumes on 1 rank."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 
-import pytest
 from safetensors.torch import load_file
 
 from backends.fsdp.tests.launch import launcher_env, run_launcher
