@@ -254,8 +254,9 @@ def _as_dict(rollouts: Rollouts) -> dict:
 def _progress(total: int, done: int, *, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=done, disable=not enabled, desc="critic", unit="step", mininterval=1.0,
-                dynamic_ncols=True)
+    # disable=None: tqdm draws only on a terminal (logs get the per-epoch lines instead).
+    return tqdm(total=total, initial=done, disable=True if not enabled else None, desc="critic", unit="step",
+                mininterval=1.0, dynamic_ncols=True)
 
 
 def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:

@@ -61,8 +61,10 @@ def test_configs_are_found_through_runfiles_under_bazel():
 
     path = data_path("configs/qwen2.json")
     assert os.path.isfile(path)
-    if os.environ.get("TEST_SRCDIR"):  # under `bazel test`: the declared data, from the runfiles tree
-        assert ".runfiles" in path, path
+    if os.environ.get("TEST_SRCDIR"):  # under `bazel test`: the declared data, located by bazel-runfiles
+        from runfiles import runfiles
+
+        assert path == runfiles.Create().Rlocation("critic_adapters/common/testdata/configs/qwen2.json")
 
 
 if __name__ == "__main__":
