@@ -109,8 +109,8 @@ def pad(input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int]) 
     first, last = int(used.min()), int(used.max()) + 1
     sub_mask = mask[:, first:last]
     local_rows, cols = sub_mask.bool().nonzero(as_tuple=True)
-    return MicroBatch(rows, input_ids[rows][:, first:last], sub_mask, None, local_rows, cols + first,
-                      (local_rows, cols))
+    ids = input_ids[rows][:, first:last] * sub_mask  # whatever sits under padding never reaches the embedding
+    return MicroBatch(rows, ids, sub_mask, None, local_rows, cols + first, (local_rows, cols))
 
 
 def empty_micro_batch(pad_token_id: int = 0) -> MicroBatch:

@@ -88,8 +88,8 @@ class FSDPCriticEngine:
                                   token_budget=batching.micro_batch_tokens,
                                   micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
 
-    def _forward(self, mb: MicroBatch, row_length: int) -> torch.Tensor:
-        """Values for the micro-batch's rows, laid out [len(rows), row_length], on the engine's device."""
+    def _forward(self, mb: MicroBatch, row_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output)."""
         device = self.dist.device
         values = compute_values(
             self.model,
@@ -100,10 +100,13 @@ class FSDPCriticEngine:
         return mb.unpack(values, row_length), values
 
     def _check_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Every rank raises together (one rank raising alone would leave the others in a collective)."""
         valid = input_ids[attention_mask.bool()]
-        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model; got "
-                             f"[{int(valid.min())}, {int(valid.max())}]")
+        bad = bool(valid.numel()) and (int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size)
+        (any_bad,) = all_reduce([float(bad)], op="max")
+        if any_bad:
+            where = f"got [{int(valid.min())}, {int(valid.max())}] on this rank" if bad else "on another rank"
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model; {where}")
 
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
