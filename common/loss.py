@@ -99,14 +99,20 @@ def value_loss(
     return loss, stats
 
 
+def explained_variance_from_sums(n: float, r_sum: float, r_sq: float, res_sum: float, res_sq: float) -> float:
+    """1 - Var[R - V] / Var[R] from sums over n tokens of R, R^2, R - V and (R - V)^2, so that the
+    sums of several ranks or micro-batches can be added first and the result is exact."""
+    if n < 2:
+        return float("nan")
+    var_r = r_sq / n - (r_sum / n) ** 2
+    var_res = res_sq / n - (res_sum / n) ** 2
+    return 1.0 - var_res / var_r if var_r > 0 else float("nan")
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> float:
     """1 - Var[R - V] / Var[R] over valid tokens: 1 is perfect, 0 is no better than a constant."""
     mask = response_mask.bool()
-    v = values[mask].double()
     r = returns[mask].double()
-    if r.numel() < 2:
-        return float("nan")
-    var_r = r.var(unbiased=False)
-    if var_r == 0:
-        return float("nan")
-    return float(1.0 - (r - v).var(unbiased=False) / var_r)
+    residual = r - values[mask].double()
+    return explained_variance_from_sums(r.numel(), float(r.sum()), float((r * r).sum()),
+                                        float(residual.sum()), float((residual * residual).sum()))

@@ -153,20 +153,19 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
 
     engine = build_engine(config.backend, engine_cfg, dist)
     try:
-        return _train(engine, config, dist, train, held_out, latest, resuming, say)
+        return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch)
     finally:
         engine.close()
 
 
 def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts,
-           latest: str | None, resuming: bool, say) -> dict[str, float]:
+           latest: str | None, resuming: bool, say, steps_per_epoch: int) -> dict[str, float]:
     trainer = config.trainer
     main = dist.is_main
     run_dir = os.path.abspath(trainer.run_dir)
     ckpt_root = os.path.join(run_dir, "checkpoints")
     prepared_file = os.path.join(run_dir, PREPARED)
     mini = config.data.mini_batch_size
-    steps_per_epoch = math.ceil(len(train) / mini)
     total_steps = steps_per_epoch * trainer.epochs
     say(str(engine.load_report))
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "

@@ -22,7 +22,7 @@ from common.batching import MicroBatch, count_micro_batches, make_micro_batches
 from common.config import EngineConfig
 from common.distributed import DistContext, all_reduce, barrier
 from common.engine import RolloutBatch, shift_to_tokens
-from common.loss import loss_normalizer, value_loss
+from common.loss import explained_variance_from_sums, loss_normalizer, value_loss
 from common.schedule import build_scheduler
 from common.valuehead import load_critic, save_critic
 from common.valuehead.attention import flash_attention_available
@@ -169,7 +169,7 @@ class FSDPCriticEngine:
         return {
             "value_loss": g["loss"],
             "clip_fraction": g["clipped"] / g["valid"] if g["valid"] else 0.0,
-            "explained_variance": _explained_variance(g["valid"], g["r"], g["r2"], g["res"], g["res2"]),
+            "explained_variance": explained_variance_from_sums(g["valid"], g["r"], g["r2"], g["res"], g["res2"]),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_s": reduced[-1] / (time.perf_counter() - start),
@@ -208,11 +208,3 @@ class FSDPCriticEngine:
         del self.model, self.optimizer, self.scheduler
         gc.collect()
 
-
-def _explained_variance(n: float, r_sum: float, r_sq: float, res_sum: float, res_sq: float) -> float:
-    """1 - Var[R - V] / Var[R] from global sums (so it is exact across ranks)."""
-    if n < 2:
-        return float("nan")
-    var_r = r_sq / n - (r_sum / n) ** 2
-    var_res = res_sq / n - (res_sum / n) ** 2
-    return 1.0 - var_res / var_r if var_r > 0 else float("nan")

@@ -15,22 +15,17 @@ import sys
 
 import torch
 
-from common.valuehead.checkpoint_files import index_checkpoint
-from common.valuehead.config import critic_class, critic_config, head_name, text_hidden_size
+from common.valuehead.config import critic_class, text_hidden_size
 from common.valuehead.errors import CriticLoadError
-from common.valuehead.formats import detect_format
-from common.valuehead.load import load_critic, load_hf_config, output_projection_keys, read_config_dict
+from common.valuehead.load import load_critic, plan_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remote_code: bool = False) -> dict:
     """What load_critic would do with `path`, from config.json and tensor headers only."""
-    config_dict = read_config_dict(path)
-    config = critic_config(load_hf_config(path, config_dict, trust_remote_code))
-    index = index_checkpoint(path)
-    head = head_name(config)
-    detection = detect_format(index, config_dict, text_hidden_size(config), head_prefix=head_prefix, head=head)
+    plan = plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code)
+    config, index, detection, head = plan.config, plan.index, plan.detection, plan.head
     tensors = index.sidecar_tensors if detection.head_file else index.tensors
     if detection.head_weight is None:
         initialised = [f"{head}.weight (fresh head)", f"{head}.bias (zero)"]
@@ -38,8 +33,7 @@ def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remot
         initialised = [f"{head}.bias (zero: this format has no bias)"]
     else:
         initialised = []
-    projections = output_projection_keys(index, config.get_text_config().vocab_size, detection.backbone_prefix)
-    ignored = sorted(projections - {key.removeprefix(detection.backbone_prefix) for key in detection.head_keys})
+    ignored = sorted(plan.projections - {key.removeprefix(detection.backbone_prefix) for key in detection.head_keys})
     return {
         "path": path,
         "format": detection.format,

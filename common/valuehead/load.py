@@ -166,6 +166,32 @@ def _fill_head(model, path: str, index: CheckpointIndex, detection: Detection, f
     return "loaded", "loaded"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Everything decided from config.json and tensor headers alone, before any weight is read."""
+
+    config: PretrainedConfig
+    """The critic config (critic_config applied)."""
+    index: CheckpointIndex
+    detection: Detection
+    head: str
+    """The critic class's head attribute (`score`, or `classifier` for some families)."""
+    projections: set[str]
+    """Vocab-sized output projections the critic leaves unused."""
+
+
+def plan_load(path: str, *, config: PretrainedConfig | None = None, head_prefix: str | None = None,
+              trust_remote_code: bool = False) -> LoadPlan:
+    """Read config.json and the tensor headers of `path` and decide how load_critic will load it."""
+    config_dict = read_config_dict(path)
+    critic_cfg = critic_config(config if config is not None else load_hf_config(path, config_dict, trust_remote_code))
+    index = index_checkpoint(path)
+    head = head_name(critic_cfg)
+    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix, head=head)
+    projections = output_projection_keys(index, critic_cfg.get_text_config().vocab_size, detection.backbone_prefix)
+    return LoadPlan(critic_cfg, index, detection, head, projections)
+
+
 def load_critic(
     path: str,
     *,
@@ -192,13 +218,8 @@ def load_critic(
     Returns (model, LoadReport). The model is in eval mode.
     """
     path = os.fspath(path)
-    config_dict = read_config_dict(path)
-    hf_config = config if config is not None else load_hf_config(path, config_dict, trust_remote_code)
-    critic_cfg = critic_config(hf_config)
-    index = index_checkpoint(path)
-    head_attr = head_name(critic_cfg)
-    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix,
-                              head=head_attr)
+    plan = plan_load(path, config=config, head_prefix=head_prefix, trust_remote_code=trust_remote_code)
+    critic_cfg, index, detection, head_attr = plan.config, plan.index, plan.detection, plan.head
     if fresh_head:
         detection = dataclasses.replace(detection, head_file=None)
     model_cls = critic_class(critic_cfg)
@@ -215,8 +236,7 @@ def load_critic(
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
         )
-    projections = output_projection_keys(index, critic_cfg.get_text_config().vocab_size, detection.backbone_prefix)
-    missing, unexpected = _check_loading_info(path, info, detection, head_attr, fresh_head, projections)
+    missing, unexpected = _check_loading_info(path, info, detection, head_attr, fresh_head, plan.projections)
     head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
     assert not any(name.split(".")[-1] == "lm_head" for name, _ in model.named_modules()), "critic has an lm_head"
     model.eval()
