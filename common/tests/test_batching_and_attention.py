@@ -70,7 +70,7 @@ def test_packed_attention_equals_attention_per_sequence(kv_heads):
     v = torch.randn(1, kv_heads, n, 16, generator=g)
     position_ids = torch.cat([torch.arange(m) for m in lengths])[None]
     module = torch.nn.Module()
-    out, _ = packed_attention.packed_sdpa_attention(module, q, k, v, None, scaling=0.25, position_ids=position_ids)
+    out, _ = packed_attention.packed_attention(module, q, k, v, None, scaling=0.25, position_ids=position_ids)
     expected = _reference_attention(q, k, v, lengths, 0.25)
     assert out.shape == (1, n, 4, 16)
     assert torch.allclose(out, expected, atol=1e-6)
@@ -82,12 +82,41 @@ def test_packed_attention_equals_attention_per_sequence(kv_heads):
 def test_packed_attention_honours_a_sliding_window():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
-    out, _ = packed_attention.packed_sdpa_attention(torch.nn.Module(), q, k, v, None, sliding_window=2,
+    out, _ = packed_attention.packed_attention(torch.nn.Module(), q, k, v, None, sliding_window=2,
                                                     position_ids=torch.arange(6)[None])
     i = torch.arange(6)
     window = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 2)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=window).transpose(1, 2)
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_stated_bounds_win_and_3d_positions_need_them():
+    # An mrope model hands the attention 3-D (or no) positions: the bounds compute_values states rule.
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 6]
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in range(3))
+    text_positions = torch.cat([torch.arange(m) for m in lengths])[None]
+    expected = _reference_attention(q, k, v, lengths, None)
+    with packed_attention.sequence_bounds(text_positions):
+        for given in (None, text_positions[None].expand(3, 1, 10)):
+            out, _ = packed_attention.packed_attention(torch.nn.Module(), q, k, v, None, position_ids=given)
+            assert torch.allclose(out, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="no stated sequence bounds"):
+        packed_attention.packed_attention(torch.nn.Module(), q, k, v, None,
+                                          position_ids=text_positions[None].expand(3, 1, 10))
+
+
+def test_packed_attention_soft_caps_logits():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) * 4 for _ in range(3))
+    out, _ = packed_attention.packed_attention(torch.nn.Module(), q, k, v, None, scaling=0.5, softcap=3.0,
+                                               position_ids=torch.arange(5)[None])
+    scores = torch.tanh(q @ k.transpose(-1, -2) * 0.5 / 3.0) * 3.0
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    expected = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+    assert torch.allclose(out, expected, atol=1e-5)
+    uncapped = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5).transpose(1, 2)
+    assert not torch.allclose(uncapped, expected, atol=1e-3)
 
 
 def test_packed_attention_refuses_a_padding_mask():

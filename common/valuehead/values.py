@@ -4,10 +4,34 @@ from __future__ import annotations
 
 import torch
 
+from common.packed_attention import sequence_bounds
+
 
 def is_packed(position_ids: torch.Tensor) -> bool:
     """True when position ids restart at 0 inside a row: several sequences packed into one row."""
     return bool((position_ids[..., 1:] == 0).any())
+
+
+def uses_multimodal_rope(config) -> bool:
+    """Families with mrope (qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, ...) take 3-D positions."""
+    text_config = config.get_text_config()
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(text_config, name, None)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            return True
+    return False
+
+
+def model_position_ids(config, position_ids: torch.Tensor) -> torch.Tensor:
+    """The position ids to hand the model for (B, N) text positions.
+
+    mrope families expand 2-D positions to 3-D themselves, and then lose the text positions that
+    mark where packed sequences start. Given (4, B, N) — text positions, then temporal, height and
+    width, which for text-only input all equal the text position — they keep both.
+    """
+    if uses_multimodal_rope(config):
+        return position_ids[None].expand(4, *position_ids.shape)
+    return position_ids
 
 
 def compute_values(
@@ -21,10 +45,10 @@ def compute_values(
     Callers shift: the value of response token t is conventionally read at t-1 (verl, OpenRLHF,
     trl, NeMo-RL all do), so converting formats never reindexes.
 
-    Packed rows (position_ids restarting at 0 per sequence, from common.batching) are run with
-    attention_mask=None and no cache: transformers then builds a per-sequence (block-diagonal)
-    mask from position_ids. A 2-D mask would let packed sequences attend to each other, so it is
-    refused unless it is all ones.
+    Packed rows (2-D position_ids restarting at 0 per sequence, from common.batching) are run with
+    attention_mask=None and no cache. Their sequence bounds are stated to our packed attention, and
+    transformers' own attentions build a per-sequence mask from the positions. A 2-D padding mask
+    would let packed sequences attend to each other, so it is refused unless it is all ones.
     """
     if position_ids is not None and is_packed(position_ids):
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -33,5 +57,19 @@ def compute_values(
                 "would mix the packed sequences. Pass attention_mask=None for packed rows."
             )
         attention_mask = None
-    output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return output.logits.squeeze(-1).float()  # (B, T, 1) -> (B, T)
+    if position_ids is None:
+        output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    else:
+        with sequence_bounds(position_ids):
+            output = model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=model_position_ids(model.config, position_ids), use_cache=False)
+    logits = output.logits
+    if logits.dim() != 3 or logits.shape[-1] != 1 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for input_ids "
+            f"{tuple(input_ids.shape)}; a per-token critic returns [B, T, 1]. "
+            f"{'A sequence classifier gives one value per sequence. ' if logits.dim() == 2 else ''}"
+            f"Load it with common.valuehead.load_critic, which builds a per-token critic from any "
+            f"critic, reward-model or causal-LM checkpoint."
+        )
+    return logits.squeeze(-1).float()  # (B, T, 1) -> (B, T)

@@ -74,7 +74,7 @@ def test_values_loss_and_gradients_match_the_plain_critic(setup):
             checked += 1
     assert checked == 2 * 7
     # The packed variants really ran our per-sequence attention, the padded ones sdpa.
-    assert runs[2]["packed-budget"]["attn"] == "critic_packed_sdpa"
+    assert runs[2]["packed-budget"]["attn"] == "critic_packed_attention"
     assert runs[2]["padded-budget"]["attn"] == "sdpa"
     # Two ranks shard with FSDP2; a single rank has nothing to shard and runs the plain module.
     assert runs[2]["packed-budget"]["sharded"] and not runs[1]["packed-budget"]["sharded"]
