@@ -132,7 +132,8 @@ def token_classification(root: str, *, label_as_causal_lm: bool = False, family:
     torch.manual_seed(4)
     model = AutoModelForTokenClassification.from_config(config).eval()
     with torch.no_grad():
-        model.score.bias.fill_(0.3)
+        # gpt_neox (like gpt2, bloom) names its token-classification head `classifier`.
+        (model.classifier if family == "gpt_neox" else model.score).bias.fill_(0.3)
     path = os.path.join(root, f"tokcls-{family}{'-as-clm' if label_as_causal_lm else ''}")
     _save(model, path)
     if label_as_causal_lm:

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
 from common.tests import checkpoint_builders as build
 from common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
+from common.valuehead import compute_values, load_critic
 from common.valuehead.cli import main as cli
 
 
@@ -44,6 +46,47 @@ def test_convert_writes_a_plain_token_classification_model(tmp_path, capsys):
     with torch.no_grad():
         assert_close_on_mask(model(input_ids=ids, attention_mask=mask).logits.squeeze(-1), reference(ids, mask),
                              mask, atol=2e-5)
+
+
+CONVERTIBLE = {
+    "trl-inline": lambda root: build.trl_value_head(root),
+    "trl-sharded": lambda root: build.trl_value_head(root, storage="sharded"),
+    "trl-sidecar": lambda root: build.trl_sidecar(root),
+    "trl-verl-state-dict": build.trl_patched_state_dict,
+    "token-classification": build.token_classification,
+    "token-classification-gpt-neox": lambda root: build.token_classification(root, family="gpt_neox"),
+    "sequence-classification": build.sequence_classification,
+    "openrlhf-value_head": build.openrlhf,
+    "openrlhf-score": lambda root: build.openrlhf(root, prefix="score"),
+    "megatron-export": build.megatron_export,
+    "megatron-export-bias": lambda root: build.megatron_export(root, with_bias=True),
+    "verl-legacy": build.verl_legacy,
+    "causal-lm-fresh-head": build.causal_lm,
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(CONVERTIBLE))
+def test_every_format_converts_to_a_directory_both_loaders_read(tmp_path, fmt, capsys):
+    # The converted directory's config must describe what was written (an OpenRLHF config once kept
+    # value_head_prefix="value_head" over score.* tensors, which inspect and load_critic refused).
+    src, _ = CONVERTIBLE[fmt](str(tmp_path / "src"))
+    dst = str(tmp_path / "converted")
+    assert cli(["convert", src, dst]) == 0
+    assert cli(["inspect", dst, "--json"]) == 0, capsys.readouterr().err
+    source, _ = load_critic(src)
+    converted, report = load_critic(dst)
+    assert report.head == "loaded" and report.missing_keys == [] and report.unexpected_keys == []
+    with open(os.path.join(dst, "config.json")) as f:
+        written = json.load(f)
+    if "value_head_prefix" in written:  # OpenRLHF reads the head from <prefix>.weight
+        assert f"{written['value_head_prefix']}.weight" in converted.state_dict()
+    plain, info = AutoModelForTokenClassification.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        expected = compute_values(source, ids, mask)
+        assert_close_on_mask(compute_values(converted, ids, mask), expected, mask, atol=1e-6)
+        assert_close_on_mask(plain(input_ids=ids, attention_mask=mask).logits.squeeze(-1), expected, mask, atol=1e-5)
 
 
 def test_module_entry_point_prints_values(tmp_path):

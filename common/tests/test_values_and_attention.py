@@ -32,6 +32,22 @@ def test_packed_rows_equal_separate_sequences(critic):
     assert not torch.allclose(mixed, separate, atol=1e-3)
 
 
+@pytest.mark.parametrize("head_class", ["sequence", "causal-lm"])
+def test_models_that_are_not_per_token_critics_are_refused(head_class):
+    # A SequenceClassification model gives [B, 1]: compute_values once squeezed it to [B] silently.
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = tiny_config("qwen2")
+    if head_class == "sequence":
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 990, (2, 5))
+    with pytest.raises(ValueError, match=r"per-token critic returns \[B, T, 1\].*load_critic"):
+        compute_values(model, ids, torch.ones_like(ids))
+
+
 def test_packed_rows_refuse_a_padding_mask(critic):
     ids = torch.randint(3, 990, (1, 6))
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])

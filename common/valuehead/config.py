@@ -31,6 +31,7 @@ _ZERO_DROPOUTS = ("classifier_dropout", "hidden_dropout", "summary_dropout_prob"
 
 _GENERIC_CLASSES: dict[type, type] = {}
 _HEAD_NAMES: dict[type, str] = {}
+_SCORE_ALIASED: dict[type, type] = {}
 
 
 def has_token_classification_class(config: PretrainedConfig) -> bool:
@@ -62,8 +63,8 @@ def _generic_critic_class(config: PretrainedConfig) -> type:
     return _GENERIC_CLASSES[config_type]
 
 
-def critic_class(config: PretrainedConfig) -> type:
-    """The model class a critic of this config is built with."""
+def _architecture_class(config: PretrainedConfig) -> type:
+    """transformers' own per-token class for this config (or our generic one)."""
     if has_token_classification_class(config):
         return MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[type(config)]
     if type(config) in MODEL_MAPPING:
@@ -75,13 +76,39 @@ def critic_class(config: PretrainedConfig) -> type:
     )
 
 
+def _with_score_alias(cls: type) -> type:
+    """`cls` plus a read-only `score` property for its `classifier` head (cached per class).
+
+    trl's PPOTrainer (and code written after it) reads a value model's head as `.score`; gpt2,
+    gpt_neox, bloom and falcon name it `classifier`. A property adds no parameter, so state dicts,
+    saved keys and the class name stay exactly transformers' own.
+    """
+    if cls not in _SCORE_ALIASED:
+        _SCORE_ALIASED[cls] = type(cls.__name__, (cls,), {
+            "__module__": __name__,
+            "__doc__": f"{cls.__name__} whose `classifier` head is also reachable as `score` (trl's name).",
+            "score": property(lambda self: self.classifier, doc="The scalar head (alias of `classifier`)."),
+        })
+    return _SCORE_ALIASED[cls]
+
+
+def critic_class(config: PretrainedConfig) -> type:
+    """The model class a critic of this config is built with; its head is reachable as `.score`."""
+    cls = _architecture_class(config)
+    return _with_score_alias(cls) if head_name(config) == "classifier" else cls
+
+
 def head_name(config: PretrainedConfig) -> str:
     """Attribute name of the critic's [1, H] head: `score` for most families, `classifier` for some
     (gpt2, gpt_neox, bloom). Found on a meta-device instance, so nothing is allocated."""
-    cls = critic_class(config)
+    cls = _architecture_class(config)
     if cls not in _HEAD_NAMES:
+        probe_config = critic_config(config)
+        # Only the module tree matters: eager attention builds anywhere (a config asking for
+        # flash_attention_2 on a machine without it must not fail here).
+        probe_config._attn_implementation = "eager"
         with torch.device("meta"):
-            model = cls(critic_config(config))
+            model = cls(probe_config)
         linears = [name for name, child in model.named_children()
                    if isinstance(child, torch.nn.Linear) and child.out_features == 1]
         assert len(linears) == 1, f"{cls.__name__} has no single scalar head: {linears}"
@@ -98,7 +125,7 @@ def architecture_name(config: PretrainedConfig) -> str:
     """The `architectures` entry a saved critic of this config carries."""
     if has_token_classification_class(config):
         return MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[type(config)].__name__
-    critic_class(config)  # raises for configs with no critic form
+    _architecture_class(config)  # raises for configs with no critic form
     return GENERIC_ARCHITECTURE
 
 

@@ -15,7 +15,7 @@ import torch
 
 from common.atomic_dir import atomic_directory
 from common.valuehead._quiet import quiet_transformers
-from common.valuehead.config import architecture_name, critic_config, critic_head
+from common.valuehead.config import architecture_name, critic_config, critic_head, head_name
 
 
 def save_critic(
@@ -52,6 +52,10 @@ def save_critic(
         with open(config_file) as f:
             written = json.load(f)
         written["architectures"] = [architecture_name(config)]
+        if "value_head_prefix" in written:
+            # OpenRLHF's config names where its head lives; the head is now written as <head>.*, so
+            # say so (OpenRLHF then still loads it, and so do inspect and load_critic).
+            written["value_head_prefix"] = head_name(config)
         with open(config_file, "w") as f:
             json.dump(written, f, indent=2, sort_keys=True)
             f.write("\n")
