@@ -99,20 +99,36 @@ class FSDPCriticEngine:
         )
         return mb.unpack(values, row_length), values
 
-    def _check_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Every rank raises together (one rank raising alone would leave the others in a collective)."""
+    def _check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      batch: RolloutBatch | None = None) -> None:
+        """Token ids in the vocabulary and finite targets, checked before any forward and raised on
+        every rank together: one rank raising alone would leave the others in a collective (gloo
+        aborts, NCCL hangs). Nothing has touched the weights or the optimizer yet."""
         valid = input_ids[attention_mask.bool()]
-        bad = bool(valid.numel()) and (int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size)
-        (any_bad,) = all_reduce([float(bad)], op="max")
-        if any_bad:
-            where = f"got [{int(valid.min())}, {int(valid.max())}] on this rank" if bad else "on another rank"
+        bad_ids = bool(valid.numel()) and (int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size)
+        non_finite = {}
+        if batch is not None:
+            response = batch.response_mask.bool()
+            for name in ("returns", "old_values"):
+                count = int((~torch.isfinite(getattr(batch, name)[response])).sum())
+                if count:
+                    non_finite[name] = count
+        any_ids, any_returns, any_old = all_reduce(
+            [float(bad_ids), float("returns" in non_finite), float("old_values" in non_finite)], op="max")
+        if any_ids:
+            where = f"got [{int(valid.min())}, {int(valid.max())}] on this rank" if bad_ids else "on another rank"
             raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model; {where}")
+        if any_returns or any_old:
+            here = ", ".join(f"{name} has {count} non-finite (NaN/inf) entries on response tokens"
+                             for name, count in non_finite.items())
+            raise ValueError(f"{here or 'another rank has non-finite returns/old_values on response tokens'}; "
+                             f"fix the rollout data (no update was made)")
 
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
-        self._check_ids(input_ids, attention_mask)
+        self._check_inputs(input_ids, attention_mask)
         self.model.eval()
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
         for mb in self._micro_batches(input_ids, attention_mask):
@@ -124,7 +140,7 @@ class FSDPCriticEngine:
     def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
         """Forward/backward over this rank's micro-batches (the first half of update); returns this
         rank's loss and token sums. Gradients are those of the global mini-batch loss."""
-        self._check_ids(batch.input_ids, batch.attention_mask)
+        self._check_inputs(batch.input_ids, batch.attention_mask, batch)
         loss_cfg = self.config.loss
         self.model.train()
         device = self.dist.device
