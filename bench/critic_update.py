@@ -1,6 +1,8 @@
 """Benchmark one critic update step, four ways, side by side in one process on the same data and weights.
 
   python -m bench.critic_update [--repeats 3] [--sequences 16] [--out docs/bench.json]
+  python bench/critic_update.py ...                  (the same, run as a file)
+  bazel run //bench:critic_update -- ...             (paths are relative to where you run it)
 
 (a) trl-valuehead   trl's AutoModelForCausalLMWithValueHead, padded: computes vocab logits it never uses
 (b) padded-tokencls *ForTokenClassification, micro-batches of consecutive rows of the padded batch
@@ -18,11 +20,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 
-import torch
+if __package__ in (None, ""):  # run as a file (python bench/critic_update.py): import from this checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common.batching import plan_fixed_size
@@ -175,6 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run`: --out is relative to the user's directory
+        os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
 
     with tempfile.TemporaryDirectory() as workdir:
         variants, batch, critic, engine = build(workdir, args.sequences)

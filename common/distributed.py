@@ -1,7 +1,9 @@
 """Process-group setup and the few collectives the engines and trainer need, passed around explicitly.
 
-Works the same under torchrun (env:// rendezvous) and in a plain single process (a world of one),
-with gloo on CPU and nccl on GPU.
+Works the same under torchrun (env:// rendezvous) and in a plain single process (a world of one).
+On GPU the default group has two backends, `cpu:gloo,cuda:nccl` (as torchtitan sets it up): the
+few host-side numbers and objects exchanged here stay CPU tensors and go through gloo, while the
+model's collectives run on NCCL. Every collective names its group explicitly.
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_group_backend() -> str:
+    """gloo on CPU; with CUDA, gloo for CPU tensors and nccl for CUDA tensors in one group."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_distributed() -> DistContext:
-    """Join (or create) the default process group: gloo on CPU, nccl when CUDA is available."""
+    """Join (or create) the default process group (see process_group_backend)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # not under torchrun: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(process_group_backend())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -50,25 +56,44 @@ def init_distributed() -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def all_reduce(values: list[float], op: str = "sum", device: torch.device | None = None) -> list[float]:
-    """Sum or max of a few numbers across ranks (float64, so token counts stay exact)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device or "cpu")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+def _world(group):
+    return dist.group.WORLD if group is None else group
+
+
+def _active(group) -> bool:
+    return dist.is_initialized() and dist.get_world_size(_world(group)) > 1
+
+
+def all_reduce(values: list[float], op: str = "sum", group=None) -> list[float]:
+    """Sum or max of a few numbers across the ranks of `group` (default: all), as a float64 CPU
+    tensor (token counts stay exact; on GPU it goes through the group's gloo backend)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if _active(group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_world(group))
     return tensor.tolist()
 
 
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast_object(obj, src: int = 0, group=None):
+    if not _active(group):
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=_world(group))
     return holder[0]
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's `obj`, in rank order."""
+    if not _active(group):
+        return [obj]
+    gathered = [None] * dist.get_world_size(_world(group))
+    dist.all_gather_object(gathered, obj, group=_world(group))
+    return gathered
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of `group`; a CPU all-reduce, so it needs no device (gloo on any machine)."""
+    if _active(group):
+        dist.all_reduce(torch.zeros(1), group=_world(group))
 
 
 def shutdown() -> None:

@@ -25,11 +25,16 @@ VLM_FAMILIES = ("qwen2_vl",)
 def data_path(relative: str) -> str:
     """Absolute path of a file under common/testdata, via runfiles when Bazel provides them."""
     if os.environ.get("RUNFILES_DIR") or os.environ.get("RUNFILES_MANIFEST_FILE"):
-        from runfiles import runfiles
-
-        located = runfiles.Create().Rlocation(f"{_WORKSPACE}/common/testdata/{relative}")
-        if located and os.path.exists(located):
-            return located
+        try:
+            from runfiles import runfiles
+        except ImportError:
+            # A stack's own Bazel run sets RUNFILES_DIR without the bazel-runfiles pip package:
+            # the file beside this module is the same file.
+            runfiles = None
+        if runfiles is not None:
+            located = runfiles.Create().Rlocation(f"{_WORKSPACE}/common/testdata/{relative}")
+            if located and os.path.exists(located):
+                return located
     return os.path.join(_HERE, relative)
 
 

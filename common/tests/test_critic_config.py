@@ -67,5 +67,22 @@ def test_configs_are_found_through_runfiles_under_bazel():
         assert path == runfiles.Create().Rlocation("critic_adapters/common/testdata/configs/qwen2.json")
 
 
+def test_configs_are_found_under_a_bazel_run_without_the_runfiles_package(tmp_path):
+    # Another stack's Bazel test sets RUNFILES_DIR but need not have the bazel-runfiles package.
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys; sys.modules['runfiles'] = None\n"  # makes `import runfiles` fail
+             "from common.testdata import data_path, tiny_config\n"
+             "print(data_path('configs/qwen2.json')); print(tiny_config('qwen2').model_type)")
+    env = dict(os.environ, RUNFILES_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("RUNFILES_MANIFEST_FILE", None)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    path, family = result.stdout.split()
+    assert os.path.isfile(path) and family == "qwen2"
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

@@ -1,0 +1,46 @@
+"""The benchmark starts every documented way: as a module, as a file from any directory, and as the
+Bazel binary (its runfiles launcher, when running under Bazel)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common.tests.helpers import run_pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(command, cwd, **env):
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environment.update(env)
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=environment, timeout=300)
+
+
+def test_runs_as_a_file_from_another_directory(tmp_path):
+    # `python bench/critic_update.py` once failed with ModuleNotFoundError: common.
+    result = _run([sys.executable, os.path.join(HERE, "critic_update.py"), "--help"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--repeats" in result.stdout
+
+
+def test_runs_as_a_module(tmp_path):
+    result = _run([sys.executable, "-m", "bench.critic_update", "--help"], cwd=tmp_path,
+                  PYTHONPATH=os.path.dirname(HERE))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_bazel_binary_runs():
+    if not os.environ.get("TEST_SRCDIR"):
+        pytest.skip("only under bazel test: the py_binary's launcher lives in its runfiles")
+    from runfiles import runfiles
+
+    launcher = runfiles.Create().Rlocation("critic_adapters/bench/critic_update")
+    result = _run([launcher, "--help"], cwd=os.environ.get("TEST_TMPDIR", "/tmp"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--repeats" in result.stdout
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

@@ -1,0 +1,60 @@
+"""Process-group setup for GPUs without a GPU: the group carries gloo for the CPU tensors our
+collectives use and nccl for the model's, and every collective names its group.
+
+An NCCL-only group once received CPU tensors from all_reduce, so the first collective on 2+ GPUs
+failed. A GPU machine is simulated by patching torch.cuda and torch.distributed.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from common import distributed
+from common.tests.helpers import run_pytest
+
+
+@pytest.fixture
+def fake_gpu_world(monkeypatch):
+    """A 2-rank CUDA machine as far as common.distributed can tell; records the calls it makes."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kw: calls.append(("all_reduce", tensor, kw)))
+    monkeypatch.setattr(dist, "broadcast_object_list",
+                        lambda objects, **kw: calls.append(("broadcast_object_list", objects, kw)))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    return calls
+
+
+def test_a_gpu_group_has_gloo_for_cpu_tensors(fake_gpu_world):
+    context = distributed.init_distributed()
+    assert fake_gpu_world[0][:2] == ("init", "cpu:gloo,cuda:nccl")
+    assert context.device == torch.device("cuda", 1) and context.world_size == 2
+
+
+def test_collectives_send_cpu_tensors_to_an_explicit_group(fake_gpu_world):
+    distributed.init_distributed()
+    distributed.all_reduce([1.0, 2.0], op="max")
+    distributed.barrier()
+    distributed.broadcast_object("x")
+    collectives = fake_gpu_world[1:]
+    assert [c[0] for c in collectives] == ["all_reduce", "all_reduce", "broadcast_object_list"]
+    for name, payload, kwargs in collectives:
+        assert kwargs.get("group") is dist.group.WORLD, f"{name} without an explicit group"
+        if name == "all_reduce":
+            assert payload.device.type == "cpu"
+
+
+def test_cpu_only_machines_use_gloo(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.process_group_backend() == "gloo"
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
