@@ -27,14 +27,27 @@ def atomic_directory(target: str, *, overwrite: bool = False, flag: str = "overw
         raise FileExistsError(f"{target} exists and is not a directory")
     if is_nonempty_dir(target) and not overwrite:
         raise FileExistsError(f"{target} already exists and is not empty; choose a new directory or pass {flag}")
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    staging = make_staging_dir(target)
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    commit_staging_dir(staging, target)
+
+
+def make_staging_dir(target: str) -> str:
+    """A new empty directory beside `target` (`.<name>.tmp-*`), to become `target` when complete."""
+    target = os.path.abspath(target)
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+
+
+def commit_staging_dir(staging: str, target: str) -> None:
+    """Put a complete staging directory in place of `target`; an old `target` is removed only after."""
+    target = os.path.abspath(target)
+    parent = os.path.dirname(target)
     if os.path.exists(target):
         retired = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=parent)
         os.rename(target, os.path.join(retired, "dir"))

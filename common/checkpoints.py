@@ -1,15 +1,27 @@
-"""Where a run's checkpoints live: step directories, the `latest` pointer, and retention.
+"""Checkpoints, for every backend: where they live, how they are written, what they belong to.
 
-run_dir/checkpoints/step_000012/   a complete checkpoint (written atomically by the engine)
+run_dir/checkpoints/step_000012/   a complete checkpoint (written atomically, see staged_checkpoint)
 run_dir/checkpoints/latest         the name of the newest complete one (replaced atomically)
 Staging directories of an interrupted save (".step_*.tmp-*") are never read and are cleaned up.
+
+Each backend writes its own shards (DCP, megatron dist_checkpointing, ...) into the staging
+directory; `critic_checkpoint.json`, written last, holds a fingerprint of the critic in Hugging
+Face parameter names and shapes, so checkpoints of the same critic match across backends and
+parallel layouts, and a checkpoint of another model is refused by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
+
+from common.atomic_dir import commit_staging_dir, make_staging_dir
+from common.distributed import all_reduce, barrier, broadcast_object
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -54,3 +66,78 @@ def prune(root: str, keep_last: int, marker: str = META_FILE) -> list[str]:
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def hf_fingerprint(config, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> dict:
+    """What a checkpoint must match to load into a critic: family, sizes, and every parameter's
+    Hugging Face name and full (unsharded) shape."""
+    shapes = sorted((name, [int(d) for d in shape]) for name, shape in named_shapes)
+    text = config.get_text_config()
+    return {
+        "model_type": config.model_type,
+        "hidden_size": text.hidden_size,
+        "num_hidden_layers": text.num_hidden_layers,
+        "vocab_size": text.vocab_size,
+        "num_parameters": sum(_numel(shape) for _, shape in shapes),
+        "shapes_sha256": hashlib.sha256(json.dumps(shapes).encode()).hexdigest(),
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
+@contextlib.contextmanager
+def staged_checkpoint(directory: str, *, is_main: bool, group=None):
+    """Yield one staging directory to every rank of `group`; it replaces `directory` when all ranks'
+    blocks succeed. If any rank fails, every rank raises (none is left waiting in a collective),
+    the staging directory is removed and the previous checkpoint stays as it was."""
+    directory = os.path.abspath(directory)
+    staging = error = None
+    if is_main:
+        try:
+            staging = make_staging_dir(directory)
+        except OSError as err:
+            error = err
+    staging = broadcast_object(staging, group=group)
+    if staging is not None:
+        try:
+            yield staging
+        except Exception as err:  # reported to every rank below, then re-raised here
+            error = err
+    (failed_anywhere,) = all_reduce([float(error is not None)], op="max", group=group)
+    if failed_anywhere:
+        if is_main and staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"saving checkpoint {directory} failed on another rank (its error is in that "
+                           f"rank's log); the previous checkpoint is unchanged")
+    if is_main:
+        commit_staging_dir(staging, directory)
+    barrier(group)  # the rename is done before any rank looks for the checkpoint
+
+
+def write_meta(staging: str, fingerprint: dict, **details) -> None:
+    """The checkpoint's own description, written last: its presence marks a complete checkpoint."""
+    with open(os.path.join(staging, META_FILE), "w") as f:
+        json.dump({"fingerprint": fingerprint, **details}, f, indent=2)
+
+
+def check_meta(directory: str, fingerprint: dict) -> dict:
+    """Raise a clear ValueError unless `directory` is a complete checkpoint of this critic."""
+    meta_file = os.path.join(directory, META_FILE)
+    if not os.path.isfile(meta_file):
+        raise ValueError(f"{directory} is not a critic-adapters checkpoint (no {META_FILE}); point at a "
+                         f"checkpoints/step_* directory written by an engine")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    saved = meta["fingerprint"]
+    if saved != fingerprint:
+        diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if saved.get(k) != v}
+        raise ValueError(f"checkpoint {directory} belongs to another model: (checkpoint, this model) differ in {diff}; "
+                         f"use the engine.model the checkpoint was trained with, or another run_dir")
+    return meta

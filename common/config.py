@@ -94,11 +94,61 @@ class BatchingConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Model-parallel degrees; data parallel is the world size divided by their product. Each backend
+    refuses, naming the key, a degree it does not implement."""
+
+    tensor: int = 1
+    """Tensor-parallel degree (Megatron)."""
+    pipeline: int = 1
+    """Pipeline-parallel stages (Megatron)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism over the tensor-parallel group; needs tensor > 1."""
+    context: int = 1
+    """Context-parallel degree (Megatron): the sequence split across ranks in attention."""
+    ulysses: int = 1
+    """Ulysses sequence-parallel degree (VeOmni)."""
+
+    def __post_init__(self):
+        for name in ("tensor", "pipeline", "context", "ulysses"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("engine.parallel.sequence_parallel=true needs engine.parallel.tensor > 1 "
+                             "(it splits activations across the tensor-parallel group)")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline * self.context * self.ulysses
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"{world_size} processes cannot be split into groups of engine.parallel tensor x pipeline x "
+                f"context x ulysses = {self.model_parallel_size}; use a multiple of it (--nproc)")
+        return world_size // self.model_parallel_size
+
+    def check_supported(self, backend: str, implemented: tuple[str, ...]) -> None:
+        """ValueError naming each degree set above 1 that `backend` does not implement."""
+        unsupported = [f"engine.parallel.{name}={getattr(self, name)}"
+                       for name in ("tensor", "pipeline", "context", "ulysses")
+                       if getattr(self, name) > 1 and name not in implemented]
+        if self.sequence_parallel and "sequence_parallel" not in implemented:
+            unsupported.append("engine.parallel.sequence_parallel=true")
+        if unsupported:
+            offers = ", ".join(implemented) if implemented else "data parallel only"
+            raise ValueError(f"the {backend} backend does not implement {', '.join(unsupported)} (it offers "
+                             f"{offers}); set it back to 1/false, or use backend=megatron (tensor, pipeline, "
+                             f"sequence_parallel, context) or backend=veomni (ulysses)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class EngineConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     mixed_precision: str = "none"
     """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 head and values."""
     gradient_checkpointing: bool = False

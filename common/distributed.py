@@ -74,10 +74,11 @@ def all_reduce(values: list[float], op: str = "sum", group=None) -> list[float]:
 
 
 def broadcast_object(obj, src: int = 0, group=None):
+    """`obj` of the rank whose index within `group` is `src`, on every rank of the group."""
     if not _active(group):
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src, group=_world(group))
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(_world(group), src), group=_world(group))
     return holder[0]
 
 

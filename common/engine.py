@@ -1,12 +1,28 @@
 """The engine API every backend implements, and the registry that builds one by name.
 
-An engine owns a critic, its optimizer and schedule, and its parallelisation:
-  compute_values(input_ids, attention_mask) -> float32 [B, T]   (value at each position, unshifted)
-  update(batch) -> metrics                                       (one optimizer step on a mini-batch)
+An engine owns a critic, its optimizer and schedule, and its parallelisation. The contract
+(docs/ARCHITECTURE.md, "The engine contract", says the same in one place):
+
+  dp_rank, dp_size, dp_group     this rank's data-parallel coordinates. The trainer gives each DP
+                                 rank its share of every mini-batch (rows[dp_rank::dp_size]); the
+                                 tensor/pipeline/sequence-parallel peers of a DP rank receive the
+                                 same rows. dp_group is None for "all ranks".
+  compute_values(input_ids, attention_mask) -> float32 [B, T] on CPU, values at every position
+                                 (unshifted), for the rows this rank passed; every rank of the DP
+                                 rank's model-parallel group returns them (with pipeline parallelism
+                                 the last stage's values are sent to every stage).
+  update(batch) -> metrics       one optimizer step on this DP rank's share of a mini-batch; the loss
+                                 is normalised over the whole mini-batch (all DP ranks, all
+                                 micro-batches), gradients are those of that loss, and the metrics
+                                 (common.update_step.METRICS) are reduced over the DP group.
   save_checkpoint(dir, extra_state) / load_checkpoint(dir) -> extra_state
-  export_hf(dir)                                                 (a plain *ForTokenClassification)
-  close()                                                        (release it; before the process group)
-Each rank passes its own share of a mini-batch; the engine normalises the loss over all ranks.
+                                 collective; atomic, fingerprinted (common/checkpoints.py); loading
+                                 restores the engine's own RNG, never the process's.
+  export_hf(dir)                 a plain *ForTokenClassification (common.valuehead.save_critic)
+  load_report                    common.valuehead.LoadReport of the checkpoint the critic came from
+  close()                        release it; before the process group is destroyed
+Building an engine has no process-wide side effects: no global seeding, warning filters or
+environment changes.
 
 Importing this module imports no backend: the registry maps names to module paths, imported
 only when that backend is built.
@@ -21,7 +37,7 @@ from typing import Protocol
 import torch
 
 from common.config import EngineConfig
-from common.distributed import DistContext
+from common.distributed import DistContext, all_reduce
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,6 +68,11 @@ class RolloutBatch:
 
 
 class CriticEngine(Protocol):
+    dp_rank: int
+    dp_size: int
+    dp_group: object
+    load_report: object
+
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
 
     def update(self, batch: RolloutBatch) -> dict[str, float]: ...
@@ -76,6 +97,31 @@ def build_engine(backend: str, config: EngineConfig, dist: DistContext) -> Criti
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(sorted(BACKENDS))}")
     module_name, factory = BACKENDS[backend].split(":")
     return getattr(importlib.import_module(module_name), factory)(config, dist)
+
+
+def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
+                       batch: RolloutBatch | None = None, group=None) -> None:
+    """Token ids in the vocabulary and finite targets, checked before any forward and raised on
+    every rank of `group` together: one rank raising alone would leave the others in a collective
+    (gloo aborts, NCCL hangs). Call it before touching weights or optimizer."""
+    valid = input_ids[attention_mask.bool()]
+    bad_ids = bool(valid.numel()) and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size)
+    non_finite = {}
+    if batch is not None:
+        response = batch.response_mask.bool()
+        for name in ("returns", "old_values"):
+            count = int((~torch.isfinite(getattr(batch, name)[response])).sum())
+            if count:
+                non_finite[name] = count
+    any_ids, any_targets = all_reduce([float(bad_ids), float(bool(non_finite))], op="max", group=group)
+    if any_ids:
+        where = f"got [{int(valid.min())}, {int(valid.max())}] on this rank" if bad_ids else "on another rank"
+        raise ValueError(f"token ids must be in [0, {vocab_size}) for this model; {where}")
+    if any_targets:
+        here = ", ".join(f"{name} has {count} non-finite (NaN/inf) entries on response tokens"
+                         for name, count in non_finite.items())
+        raise ValueError(f"{here or 'another rank has non-finite returns/old_values on response tokens'}; "
+                         f"fix the rollout data (no update was made)")
 
 
 def shift_to_tokens(values: torch.Tensor) -> torch.Tensor:

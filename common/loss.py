@@ -49,8 +49,33 @@ def value_loss(
         (Dr.GRPO); default response_mask.shape[-1]. Keep it fixed across micro-batches.
 
     Returns (loss, stats); stats: clip_fraction and valid_tokens of this batch. A batch with no
-    valid token gives a zero loss that still backpropagates (no NaN).
+    valid token gives a zero loss that still backpropagates (no NaN). Non-finite returns or old
+    values on response tokens are a ValueError.
     """
+    mask = response_mask.bool()
+    for name, tensor in (("returns", returns), ("old_values", old_values)):
+        if not bool(torch.isfinite(tensor[mask]).all()):
+            bad = int((~torch.isfinite(tensor[mask])).sum())
+            raise ValueError(f"{name} has {bad} non-finite (NaN/inf) entries on response tokens; fix the rollout data")
+    loss, clipped, valid = value_loss_terms(values, old_values, returns, response_mask, clip_range=clip_range,
+                                            agg_mode=agg_mode, normalizer=normalizer, horizon=horizon)
+    valid = int(valid)
+    return loss, {"clip_fraction": float(clipped) / valid if valid else 0.0, "valid_tokens": valid}
+
+
+def value_loss_terms(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_range: float | None,
+    agg_mode: str,
+    normalizer: float | None = None,
+    horizon: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """value_loss without host syncs or input checks, for training loops: (loss, count of tokens
+    where the clipped term won, count of valid tokens), all tensors on the values' device."""
     _check_mode(agg_mode)
     if not (values.shape == old_values.shape == returns.shape == response_mask.shape):
         raise ValueError(
@@ -58,10 +83,6 @@ def value_loss(
             f"and response_mask {tuple(response_mask.shape)} must have the same [B, T] shape"
         )
     mask = response_mask.bool()
-    for name, tensor in (("returns", returns), ("old_values", old_values)):
-        if not bool(torch.isfinite(tensor[mask]).all()):
-            bad = int((~torch.isfinite(tensor[mask])).sum())
-            raise ValueError(f"{name} has {bad} non-finite (NaN/inf) entries on response tokens; fix the rollout data")
     weight = mask.to(values.dtype)
     # Zero the masked positions before squaring so garbage there (even inf) cannot leak as NaN.
     values_m = torch.where(mask, values, torch.zeros_like(values))
@@ -90,13 +111,7 @@ def value_loss(
             seq_sums = seq_sums / float(horizon if horizon is not None else mask.shape[-1])
         total = seq_sums.sum()
     loss = total / normalizer if normalizer > 0 else total * 0.0
-
-    valid = int(mask.sum())
-    stats = {
-        "clip_fraction": float(clipped_more.sum()) / valid if valid else 0.0,
-        "valid_tokens": valid,
-    }
-    return loss, stats
+    return loss, clipped_more.sum(), mask.sum()
 
 
 def explained_variance_from_sums(n: float, r_sum: float, r_sq: float, res_sum: float, res_sq: float) -> float:

@@ -15,12 +15,11 @@ import math
 import os
 
 import torch
-import torch.distributed as torch_dist
 
 from common import checkpoints
 from common.config import TrainConfig, to_yaml
 from common.data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
-from common.distributed import DistContext, barrier
+from common.distributed import DistContext, all_gather_object, barrier
 from common.engine import RolloutBatch, build_engine, shift_to_tokens
 from common.loss import explained_variance
 from common.metrics import MetricsLogger, plot_metrics
@@ -69,15 +68,12 @@ def read_rollouts(config: TrainConfig, vocab_size: int) -> tuple[Rollouts, Rollo
 
 
 def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.Tensor:
-    """Critic values [N, T] for all rollouts, each rank computing a strided share."""
-    mine = torch.arange(dist.rank, len(rollouts), dist.world_size)
+    """Critic values [N, T] for all rollouts on every rank: each data-parallel rank computes a strided
+    share (its model-parallel peers compute the same share with it), then the DP group gathers."""
+    mine = torch.arange(engine.dp_rank, len(rollouts), engine.dp_size)
     values = engine.compute_values(rollouts.input_ids[mine], rollouts.attention_mask[mine])
-    if dist.world_size == 1:
-        return values
-    shares = [None] * dist.world_size
-    torch_dist.all_gather_object(shares, (mine, values))
     out = torch.zeros(rollouts.input_ids.shape, dtype=torch.float32)
-    for index, share in shares:
+    for index, share in all_gather_object((mine, values), group=engine.dp_group):
         out[index] = share
     return out
 
@@ -169,7 +165,7 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     total_steps = steps_per_epoch * trainer.epochs
     say(str(engine.load_report))
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
-        f"{trainer.epochs} epochs, mini-batch {mini} sequences over {dist.world_size} rank(s)")
+        f"{trainer.epochs} epochs, mini-batch {mini} sequences over {engine.dp_size} data-parallel rank(s)")
 
     position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if resuming:
@@ -194,7 +190,7 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
         for step_in_epoch in range(first, steps_per_epoch):
             rows = order[step_in_epoch * mini:(step_in_epoch + 1) * mini]
-            metrics = engine.update(_batch(train, rows[dist.rank::dist.world_size]))
+            metrics = engine.update(_batch(train, rows[engine.dp_rank::engine.dp_size]))  # a DP rank's share
             step += 1
             metrics_log.log(step, metrics)
             progress.update(1)

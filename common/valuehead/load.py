@@ -226,7 +226,9 @@ def load_critic(
     attn = select_attn_implementation(model_cls, attn_implementation)
 
     key_mapping = detection.key_mapping(head_attr, include_head=not fresh_head)
-    with quiet_transformers():
+    # fork_rng: transformers initialises whatever the checkpoint lacks from the global RNG; loading
+    # a critic must not change the caller's random stream (the fresh head has its own generator).
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
         model, info = model_cls.from_pretrained(
             path,
             config=critic_cfg,

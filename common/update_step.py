@@ -1,0 +1,84 @@
+"""The per-micro-batch value loss and the step's metrics, shared by every backend's update.
+
+A backend owns its micro-batch loop (FSDP: a Python loop; Megatron: forward_backward_func with a
+loss closure) and calls `StepStats.micro_batch_loss` on each micro-batch's predictions. Statistics
+stay tensors on the device; they are brought to the host and reduced over the data-parallel group
+once per step, in `StepStats.metrics`. The metric names are part of the engine contract
+(docs/ARCHITECTURE.md):
+
+  value_loss          the mini-batch's clipped value loss (normalised over all its DP ranks)
+  clip_fraction       share of valid tokens where the clipped term was the larger one
+  explained_variance  1 - Var[R - V] / Var[R] over the mini-batch's valid tokens, before the step
+  grad_norm           global gradient norm before clipping
+  lr                  the learning rate this step used
+  tokens_per_s        non-padding tokens of the mini-batch (all DP ranks) per second of the step
+  valid_tokens        response tokens the loss covered
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from common.config import LossConfig
+from common.distributed import all_reduce
+from common.engine import RolloutBatch
+from common.loss import explained_variance_from_sums, loss_normalizer, value_loss_terms
+
+METRICS = ("value_loss", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s", "valid_tokens")
+_SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Constants of one mini-batch, agreed by its data-parallel ranks before the first micro-batch."""
+
+    normalizer: float
+    """What the aggregation mode divides by, over the whole mini-batch (all DP ranks)."""
+    horizon: int
+    """Longest row of the mini-batch (seq-mean-token-sum-norm divides by it)."""
+
+
+def plan_step(batch: RolloutBatch, loss: LossConfig, dp_group=None) -> StepPlan:
+    (normalizer,) = all_reduce([loss_normalizer(batch.response_mask, loss.agg_mode)], group=dp_group)
+    (horizon,) = all_reduce([batch.input_ids.shape[1]], op="max", group=dp_group)
+    return StepPlan(normalizer=normalizer, horizon=int(horizon))
+
+
+class StepStats:
+    """Loss and statistics of one update step, accumulated over its micro-batches as tensors."""
+
+    def __init__(self, loss: LossConfig, plan: StepPlan, device: torch.device):
+        self.loss_config = loss
+        self.plan = plan
+        self.sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+
+    def micro_batch_loss(self, predictions: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                         response_mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the mini-batch loss ([b, T] predictions for tokens); its
+        micro-batches' losses add up to the mini-batch loss, however the mini-batch was split."""
+        loss, clipped, valid = value_loss_terms(
+            predictions, old_values, returns, response_mask, clip_range=self.loss_config.clip_range,
+            agg_mode=self.loss_config.agg_mode, normalizer=self.plan.normalizer, horizon=self.plan.horizon)
+        with torch.no_grad():
+            mask = response_mask.bool()
+            r = torch.where(mask, returns, 0).double()
+            residual = torch.where(mask, returns - predictions, 0).double()
+            self.sums += torch.stack([loss.detach().double(), clipped.double(), valid.double(), r.sum(),
+                                      (r * r).sum(), residual.sum(), (residual * residual).sum()])
+        return loss
+
+    def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group=None) -> dict:
+        """The step's metrics over the data-parallel group (one host sync, one collective)."""
+        reduced = all_reduce(self.sums.cpu().tolist() + [tokens], group=dp_group)
+        g = dict(zip(_SUMS, reduced))
+        return {
+            "value_loss": g["loss"],
+            "clip_fraction": g["clipped"] / g["valid"] if g["valid"] else 0.0,
+            "explained_variance": explained_variance_from_sums(g["valid"], g["r"], g["r2"], g["res"], g["res2"]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": reduced[-1] / seconds if seconds > 0 else float("nan"),
+            "valid_tokens": g["valid"],
+        }
