@@ -106,8 +106,12 @@ def staged_checkpoint(directory: str, *, is_main: bool, group=None):
     if staging is not None:
         try:
             yield staging
-        except Exception as err:  # reported to every rank below, then re-raised here
-            error = err
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            if is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            error = err  # reported to every rank below, then re-raised here
     (failed_anywhere,) = all_reduce([float(error is not None)], op="max", group=group)
     if failed_anywhere:
         if is_main and staging is not None:

@@ -1,0 +1,141 @@
+"""Torchrun worker for test_engine_contract.
+
+  python -m backends.fsdp.tests.contract_worker train  RUN_DIR BACKEND [key=value ...]
+      run the training job; BACKEND `one_dp_rank` makes every process the same single DP rank
+      (what tensor-parallel peers are to the trainer)
+  python -m backends.fsdp.tests.contract_worker save-fails MODEL_DIR WORKDIR
+      a checkpoint save that fails on rank 0 only: every rank must raise, the old checkpoint stays
+  python -m backends.fsdp.tests.contract_worker sharded-load MODEL_DIR WORKDIR
+      rank 1's added peak memory while the engine is built, and the engine's values
+"""
+
+import json
+import os
+import sys
+import threading
+
+import psutil
+import torch
+import torch.distributed as torch_dist
+
+from backends.fsdp import checkpoint as fsdp_checkpoint
+from backends.fsdp.engine import FSDPCriticEngine
+from backends.fsdp.tests.worker_common import gather_rows
+from common import engine as engine_registry
+from common.config import EngineConfig, ModelConfig, OptimConfig, load_train_config
+from common.distributed import init_distributed, shutdown
+from common.engine import RolloutBatch
+
+
+def one_dp_rank(config, dist):
+    """An FSDP engine per process, each alone in its data-parallel group: the processes are
+    model-parallel peers of one DP rank, so they must all see every row and agree on every number."""
+    groups = [torch_dist.new_group([rank]) for rank in range(dist.world_size)]  # collective: all ranks, same order
+    return FSDPCriticEngine(config, dist, dp_group=groups[dist.rank])
+
+
+def train(run_dir, backend, overrides):
+    engine_registry.BACKENDS["one_dp_rank"] = f"{__name__}:one_dp_rank"
+    from common.trainer import run_training
+
+    config = load_train_config([], [f"trainer.run_dir={run_dir}", f"backend={backend}", *overrides])
+    dist = init_distributed()
+    run_training(config, dist, say=lambda *a, **k: None)
+    shutdown()
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, 990, (2, 8), generator=g)
+    response = torch.zeros_like(ids)
+    response[:, 3:] = 1
+    return RolloutBatch(ids, torch.ones_like(ids), response, torch.zeros(2, 8), torch.randn(2, 8, generator=g))
+
+
+def save_fails(model_dir, workdir):
+    dist = init_distributed()
+    engine = FSDPCriticEngine(EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-2)), dist)
+    engine.update(_batch(dist.rank))
+    target = os.path.join(workdir, "checkpoint")
+    engine.save_checkpoint(target, {"step": 1})
+    engine.update(_batch(dist.rank))
+    real_write_meta = fsdp_checkpoint.write_meta
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device (simulated)")
+
+    if dist.rank == 0:  # only rank 0 writes the meta file: the others finish their part and wait
+        fsdp_checkpoint.write_meta = full_disk
+    error = None
+    try:
+        engine.save_checkpoint(target, {"step": 2})
+    except BaseException as err:  # noqa: BLE001 - the test inspects whatever each rank raised
+        error = f"{type(err).__name__}: {err}"
+    fsdp_checkpoint.write_meta = real_write_meta
+    extra = engine.load_checkpoint(target)  # the previous checkpoint is intact and loads
+    with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
+        json.dump({"error": error, "extra": extra, "left": sorted(os.listdir(workdir))}, f)
+    engine.close()
+    shutdown()
+
+
+class PeakRSS:
+    """Peak resident memory (mapped checkpoint pages included) above the start, sampled every 2 ms."""
+
+    def __enter__(self):
+        self._process = psutil.Process()
+        self.base = self.peak = self._process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.base
+
+
+def sharded_load(model_dir, workdir):
+    dist = init_distributed()
+    config = EngineConfig(model=ModelConfig(path=model_dir))
+    torch_dist.barrier()
+    with PeakRSS() as memory:
+        engine = FSDPCriticEngine(config, dist)
+        torch_dist.barrier()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 30000, (4, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    mine = torch.arange(dist.rank, 4, dist.world_size)
+    values = gather_rows(dist, mine, engine.compute_values(ids[mine], mask[mine]), ids.shape)
+    with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
+        json.dump({"added_rss": memory.added, "report": engine.load_report.format}, f)
+    if dist.is_main:
+        torch.save({"ids": ids, "mask": mask, "values": values}, os.path.join(workdir, "values.pt"))
+    engine.close()
+    shutdown()
+
+
+def main():
+    mode, *args = sys.argv[1:]
+    if mode == "train":
+        train(args[0], args[1], args[2:])
+    elif mode == "save-fails":
+        save_fails(*args)
+    elif mode == "sharded-load":
+        sharded_load(*args)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The engine contract (common/engine.py) as the FSDP engine implements it:
+data-parallel coordinates drive sharding and normalisation; building an engine leaves the process
+as it was; a save failing on one rank fails on all; rank 1 never holds the whole model while
+loading; parallel degrees the backend lacks are refused by key."""
+
+import json
+import os
+import random
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification, Qwen2Config
+
+from backends.fsdp.engine import FSDPCriticEngine
+from backends.fsdp.tests.launch import run_torchrun
+from common.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+from common.distributed import init_distributed
+from common.engine import RolloutBatch, build_engine
+from common.metrics import read_metrics
+from common.testdata import save_tiny_causal_lm
+from common.tests.helpers import run_pytest
+
+WORKER = "backends.fsdp.tests.contract_worker"
+SMALL_JOB = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1", "trainer.export_hf=false",
+             "trainer.plot=false", "trainer.tensorboard=false", "trainer.progress=false",
+             "engine.batching.micro_batch_tokens=256"]
+
+
+def test_peers_of_one_data_parallel_rank_train_as_one_process(tmp_path):
+    # Two processes that form one DP rank (as tensor-parallel peers do) must see every row and
+    # normalise over that one rank: the same losses as a single process.
+    single, peers = tmp_path / "single", tmp_path / "peers"
+    run_torchrun(1, WORKER, "train", str(single), "fsdp", *SMALL_JOB, timeout=600)
+    run_torchrun(2, WORKER, "train", str(peers), "one_dp_rank", *SMALL_JOB, timeout=600)
+    expected = [r for r in read_metrics(str(single / "metrics.jsonl")) if r["split"] == "train"]
+    got = [r for r in read_metrics(str(peers / "metrics.jsonl")) if r["split"] == "train"]
+    assert len(got) == len(expected) == 3
+    for a, b in zip(got, expected):
+        assert a["value_loss"] == pytest.approx(b["value_loss"], abs=1e-6)
+        assert a["valid_tokens"] == b["valid_tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
+    model_dir = save_tiny_causal_lm("qwen2", str(tmp_path / "model"))
+    work = tmp_path / "work"
+    work.mkdir()
+    # Before: rank 0 raised while rank 1 waited in the commit barrier for good (gloo's 30 min timeout).
+    run_torchrun(2, WORKER, "save-fails", model_dir, str(work), timeout=240)
+    results = [json.load(open(work / f"rank{r}.json")) for r in (0, 1)]
+    assert "No space left on device" in results[0]["error"]
+    assert "failed on another rank" in results[1]["error"]
+    assert all(r["extra"] == {"step": 1} for r in results)  # the previous checkpoint is intact
+    assert not [n for n in os.listdir(work) if ".tmp-" in n], "staging directory left behind"
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 990, (3, 9), generator=g)
+    response = torch.zeros_like(ids)
+    response[:, 4:] = 1
+    return RolloutBatch(ids, torch.ones_like(ids), response, torch.zeros(3, 9), torch.randn(3, 9, generator=g))
+
+
+def _process_state():
+    return (torch.get_rng_state(), random.getstate(), list(warnings.filters), dict(os.environ))
+
+
+def test_building_and_using_an_engine_leaves_the_process_as_it_was(tmp_path):
+    dist = init_distributed()
+    config = EngineConfig(model=ModelConfig(path=save_tiny_causal_lm("qwen2", str(tmp_path / "m"))))
+    build_engine("fsdp", config, dist).close()  # first use: lazy imports may add their own filters
+    torch.manual_seed(1234)
+    torch.rand(7)  # a state no seed reset reproduces
+    random.seed(99)
+    before = _process_state()
+    engine = build_engine("fsdp", config, dist)
+    engine.update(_batch())
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    torch.rand(3)  # the process draws on...
+    drawn = _process_state()
+    engine.load_checkpoint(str(tmp_path / "ckpt"))  # ...and loading must not rewind it
+    engine.close()
+    after = _process_state()
+    assert not torch.equal(drawn[0], before[0])
+    assert torch.equal(after[0], drawn[0]), "the process's torch RNG was reseeded or restored"
+    assert after[1] == before[1], "python's random state changed"
+    assert after[2] == before[2], "warning filters changed"
+    assert after[3] == before[3], "os.environ changed"
+
+
+def test_engine_rng_is_saved_and_restored_with_the_checkpoint(tmp_path):
+    dist = init_distributed()
+    config = EngineConfig(model=ModelConfig(path=save_tiny_causal_lm("qwen2", str(tmp_path / "m"))))
+    engine = build_engine("fsdp", config, dist)
+    torch.rand(5, generator=engine.generator)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    expected = torch.rand(5, generator=engine.generator)
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert torch.equal(torch.rand(5, generator=engine.generator), expected)
+    engine.close()
+
+
+@pytest.mark.parametrize("key,value", [("tensor", 2), ("pipeline", 2), ("context", 2), ("ulysses", 2)])
+def test_parallel_degrees_fsdp_lacks_are_refused_by_key(tmp_path, key, value):
+    config = EngineConfig(model=ModelConfig(path="unused"), parallel=ParallelConfig(**{key: value}))
+    with pytest.raises(ValueError, match=rf"fsdp backend does not implement engine\.parallel\.{key}={value}"):
+        FSDPCriticEngine(config, init_distributed())
+
+
+def test_parallel_config_checks():
+    with pytest.raises(ValueError, match="sequence_parallel=true needs engine.parallel.tensor > 1"):
+        ParallelConfig(sequence_parallel=True)
+    assert ParallelConfig(tensor=2, pipeline=2).data_parallel_size(8) == 2
+    with pytest.raises(ValueError, match="cannot be split into groups of .* = 4"):
+        ParallelConfig(tensor=2, pipeline=2).data_parallel_size(6)
+
+
+def _big_critic(path: str) -> int:
+    """A TokenCls critic of about 270 MB in fp32 (plain transformers can load it); returns its bytes."""
+    config = Qwen2Config(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512, num_labels=1,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForTokenClassification.from_config(config)
+    model.save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_rank_one_never_holds_the_whole_model_while_loading(tmp_path):
+    model_dir = str(tmp_path / "big")
+    model_bytes = _big_critic(model_dir)
+    assert model_bytes >= 200e6
+    work = tmp_path / "work"
+    work.mkdir()
+    run_torchrun(2, WORKER, "sharded-load", model_dir, str(work), timeout=600)
+    added = json.load(open(work / "rank1.json"))["added_rss"]
+    print(f"rank 1 added peak RSS while building the engine: {added / 2**20:.0f} MiB = "
+          f"{added / model_bytes:.2f} x the model's {model_bytes / 2**20:.0f} MiB")
+    assert added <= 0.75 * model_bytes
+    result = torch.load(work / "values.pt")
+    plain = AutoModelForTokenClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        expected = plain(input_ids=result["ids"], attention_mask=result["mask"]).logits.squeeze(-1)
+    mask = result["mask"].bool()
+    assert float((result["values"] - expected).abs()[mask].max()) <= 1e-4
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
