@@ -1,4 +1,4 @@
-"""Benchmark one critic update step, four ways, side by side in one process on the same data and weights.
+"""Benchmark one critic update step, and one values pass, four ways, side by side in one process on the same data and weights.
 
   python -m bench.critic_update [--repeats 3] [--sequences 16] [--out docs/bench.json]
   python bench/critic_update.py ...                  (the same, run as a file)
@@ -9,7 +9,8 @@
 (c) sorted-tokencls (b) with rows sorted by length and each micro-batch trimmed to its longest row
 (d) engine          FSDPCriticEngine (world of one): packed rows, per-sequence attention, token budget
 Each step is a full update: forward, clipped value loss (normalised over the mini-batch), backward,
-AdamW. Reported: valid (non-padding) tokens per second, peak memory, and for (d) the achieved FLOP/s
+AdamW. The values pass is what PPO runs over every rollout batch before its updates: a forward-only
+(no_grad) compute of the critic's values, with the same micro-batches. Reported: valid (non-padding) tokens per second, peak memory, and for (d) the achieved FLOP/s
 against a torch matmul peak measured in the same run. Variants run round-robin per repeat, and the
 numbers are medians over repeats.
 """
@@ -114,6 +115,20 @@ def padded_step(model, optimizer, batch: RolloutBatch, plan: list[list[int]], *,
     optimizer.zero_grad(set_to_none=True)
 
 
+@torch.no_grad()
+def padded_values(model, batch: RolloutBatch, plan: list[list[int]], *, trim: bool, trl: bool) -> None:
+    """(a)-(c), values only: forward-only over the same micro-batches as the update."""
+    model.eval()
+    for rows in plan:
+        ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
+        if trim:
+            ids, mask = ids[:, : int(mask.sum(1).max())], mask[:, : int(mask.sum(1).max())]
+        if trl:
+            model(input_ids=ids, attention_mask=mask)[2].float()
+        else:
+            compute_values(model, ids, mask)
+
+
 def model_flops(batch: RolloutBatch, critic) -> float:
     """Forward+backward FLOPs of the useful work: 6 x non-embedding params per valid token, plus causal
     attention 6 x layers x hidden x sum(L_i^2) (QK^T and AV, fwd 2x + bwd 4x, halved for causality)."""
@@ -171,6 +186,10 @@ def build(workdir: str, sequences: int):
         "padded-tokencls": lambda: padded_step(critic, critic_opt, batch, rows, trim=False, trl=False),
         "sorted-tokencls": lambda: padded_step(critic, critic_opt, batch, sorted_rows, trim=True, trl=False),
         "engine": lambda: engine.update(batch),
+        "values:trl-valuehead": lambda: padded_values(trl, batch, rows, trim=False, trl=True),
+        "values:padded-tokencls": lambda: padded_values(critic, batch, rows, trim=False, trl=False),
+        "values:sorted-tokencls": lambda: padded_values(critic, batch, sorted_rows, trim=True, trl=False),
+        "values:engine": lambda: engine.compute_values(batch.input_ids, batch.attention_mask),
     }
     return variants, batch, critic, engine
 
@@ -212,15 +231,19 @@ def main(argv=None) -> int:
     rate = {name: valid / t for name, t in median.items()}
     peak = statistics.median(peaks)
     flops = model_flops(batch, critic) / median["engine"]
-    print(f"\n{'variant':<18}{'median step s':>14}{'valid tok/s':>13}{'vs (a)':>8}{'peak mem MiB':>14}")
+    print(f"\n{'variant':<24}{'median s':>10}{'valid tok/s':>13}{'vs (a)':>8}{'peak mem MiB':>14}")
     for name in variants:
-        print(f"{name:<18}{median[name]:>14.3f}{rate[name]:>13.0f}{rate[name] / rate['trl-valuehead']:>8.2f}"
+        baseline = "values:trl-valuehead" if name.startswith("values:") else "trl-valuehead"
+        print(f"{name:<24}{median[name]:>10.3f}{rate[name]:>13.0f}{rate[name] / rate[baseline]:>8.2f}"
               f"{memory[name] / 2**20:>14.0f}")
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; engine achieves {flops / 1e9:.1f} GFLOP/s of model FLOPs")
     result = {
         "speedup_vs_trl": rate["engine"] / rate["trl-valuehead"],
         "speedup_vs_padded": rate["engine"] / rate["padded-tokencls"],
         "speedup_vs_sorted": rate["engine"] / rate["sorted-tokencls"],
+        "values_speedup_vs_trl": rate["values:engine"] / rate["values:trl-valuehead"],
+        "values_speedup_vs_padded": rate["values:engine"] / rate["values:padded-tokencls"],
+        "values_speedup_vs_sorted": rate["values:engine"] / rate["values:sorted-tokencls"],
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -228,6 +251,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
+          f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['speedup_vs_sorted']:.2f}, "
           f"peak fraction: {result['peak_fraction']:.2f}")
