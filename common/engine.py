@@ -4,6 +4,7 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation:
   compute_values(input_ids, attention_mask) -> float32 [B, T]   (value at each position, unshifted)
   update(batch) -> metrics                                       (one optimizer step on a mini-batch)
   save_checkpoint(dir, extra_state) / load_checkpoint(dir) -> extra_state
+  checkpoint_bytes() -> int                                      (what a save writes, all ranks: checked first)
   export_hf(dir)                                                 (a plain *ForTokenClassification)
   close()                                                        (release it; before the process group)
 Each rank passes its own share of a mini-batch; the engine normalises the loss over all ranks.
@@ -57,6 +58,8 @@ class CriticEngine(Protocol):
     def update(self, batch: RolloutBatch) -> dict[str, float]: ...
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None: ...
+
+    def checkpoint_bytes(self) -> int: ...
 
     def load_checkpoint(self, directory: str) -> dict: ...
 
