@@ -66,10 +66,15 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
 
 
 def model_limits(model_path: str, trust_remote_code: bool) -> tuple[int, int | None]:
-    """(vocab_size, max_position_embeddings or None) of the model at `model_path`."""
+    """(vocab_size, max_position_embeddings or None) of the model at `model_path` (or `embedded:<family>`)."""
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    if model_path.startswith("embedded:"):
+        from common.testdata import tiny_config
+
+        text = tiny_config(model_path.removeprefix("embedded:")).get_text_config()
+    else:
+        text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
     return text.vocab_size, getattr(text, "max_position_embeddings", None)
 
 
@@ -183,6 +188,12 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
         raise ValueError(f"--resume: {prepared_file} is missing, so the run's old values and returns cannot be "
                          f"restored; resume in the run_dir the checkpoint came from")
     saved = _check_resume_config(config, run_dir, say) if resuming else None
+    if resuming:
+        prepared = torch.load(prepared_file, weights_only=True)
+        train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
+    else:
+        vocab_size, max_positions = model_limits(config.engine.model.path, config.engine.model.trust_remote_code)
+        train, held_out = read_rollouts(config, vocab_size, max_positions, say)
 
     # One run per run_dir (rank 0 holds the lock; if it cannot, it fails and takes the others down).
     with run_dir_lock(run_dir) if main else contextlib.nullcontext():
@@ -190,12 +201,6 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
             os.makedirs(ckpt_root, exist_ok=True)
             checkpoints.prune(ckpt_root, keep_last=trainer.keep_last)  # staging left by an interrupted save
         model_path = resolve_model_path(config.engine.model.path, run_dir, dist)
-        if resuming:
-            prepared = torch.load(prepared_file, weights_only=True)
-            train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
-        else:
-            vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
-            train, held_out = read_rollouts(config, vocab_size, max_positions, say)
         mini = config.data.mini_batch_size
         steps_per_epoch = math.ceil(len(train) / mini)
         # The LR schedule spans the steps the run was started with: a resumed run that adds epochs keeps
