@@ -50,14 +50,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run this module under torchrun and wait. torchrun dies with this process (and its workers watch
-    this pid); Ctrl-C here is passed on once, so that the workers stop and report where."""
+    """Run this module under torchrun (common.quiet_torchrun) and wait; returns the failed worker's exit
+    code. torchrun dies with this process (and its workers watch this pid); Ctrl-C here is passed on
+    once, so that the workers stop and report where."""
     from common.lifeline import LAUNCHER_PID_ENV, die_with_parent
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    command = [sys.executable, "-m", "common.quiet_torchrun", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "backends.fsdp.train", *argv]
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env = dict(os.environ, OMP_NUM_THREADS=threads, **{LAUNCHER_PID_ENV: str(os.getpid())})
+    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own warnings repeat what the workers say
     # A session of its own: a terminal's Ctrl-C reaches only this process, which forwards it once.
     child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent())
     interrupted = False
