@@ -80,7 +80,7 @@ def _wait_for(process, text: str) -> None:
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):
-    process = _start(tmp_path, *SHORT)
+    process = _start(tmp_path, *SHORT, "trainer.epochs=50")  # minutes of training left when it is killed
     workers = []
     try:
         _wait_for(process, "rollouts:")  # the workers are training
