@@ -55,3 +55,23 @@ def commit_staging_dir(staging: str, target: str) -> None:
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.rename(staging, target)
+
+
+def unwritable_reason(path: str) -> str | None:
+    """Why files cannot be created at `path` (a directory, made if missing), or None if they can.
+
+    Tries a real (unnamed, immediately removed) temporary file in `path`, or in its nearest existing
+    parent when `path` does not exist yet: permission bits do not tell the truth for root or on a
+    read-only mount. Nothing is left behind.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"cannot create files in {existing} ({err.strerror})"
+    return None

@@ -177,6 +177,9 @@ class DataConfig:
     """GAE lambda for the same."""
     mini_batch_size: int = 64
     """Sequences per optimizer step, across all ranks."""
+    truncate_to_max_positions: bool = False
+    """Cut rollouts longer than the model's max_position_embeddings to that length (their tail, and
+    any reward on it, is dropped) instead of refusing them."""
 
     def __post_init__(self):
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -251,7 +254,7 @@ def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfi
     merged = OmegaConf.structured(TrainConfig)
     try:
         for path in yaml_paths:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _load_yaml(path))
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         return OmegaConf.to_object(merged)
     except ConfigKeyError as err:
@@ -261,6 +264,50 @@ def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfi
         raise ValueError(f"unknown config key {key!r} in {yaml_paths}{hint}") from None
     except OmegaConfBaseException as err:
         raise ValueError(f"bad config value: {err}") from None
+
+
+def _load_yaml(path: str):
+    """OmegaConf.load, with a syntax error reported as one line: file:line:column and the problem."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{where}: YAML syntax error: {problem}") from None
+
+
+# Keys a resumed run may change: they decide how long it runs and what it records, never what it
+# computes. Every other key must match the run's saved config.yaml.
+CHANGEABLE_ON_RESUME = frozenset({
+    "trainer.run_dir", "trainer.resume", "trainer.epochs", "trainer.save_every_steps", "trainer.keep_last",
+    "trainer.export_hf", "trainer.tensorboard", "trainer.plot", "trainer.progress",
+})
+
+
+def flat_values(config: TrainConfig) -> dict:
+    """{dotted key: value} of a config, e.g. {'engine.optim.lr': 1e-05, ...}."""
+    out = {}
+
+    def walk(obj, prefix):
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{field.name}.")
+            else:
+                out[f"{prefix}{field.name}"] = list(value) if isinstance(value, tuple) else value
+
+    walk(config, "")
+    return out
+
+
+def config_changes(old: TrainConfig, new: TrainConfig) -> list[tuple[str, object, object]]:
+    """(key, old value, new value) for every key whose value differs."""
+    a, b = flat_values(old), flat_values(new)
+    return [(key, a[key], b[key]) for key in a if a[key] != b[key]]
 
 
 def to_yaml(config: TrainConfig) -> str:

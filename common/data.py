@@ -45,67 +45,155 @@ class Rollouts:
         return Rollouts(*(pick(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
-def read_records(path: str) -> list[dict]:
+def read_records(path: str) -> list:
+    """The rows of a .parquet, .jsonl (one object per line) or .json (an array of objects, or lines) file."""
     if not os.path.isfile(path):
         raise ValueError(f"rollout file {path} does not exist")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    if path.endswith((".jsonl", ".json")):
-        records = []
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{line_no} is not valid JSON ({err})") from None
+    if not path.endswith((".jsonl", ".json")):
+        raise ValueError(f"rollout file {path}: use .parquet, .jsonl or .json")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
         return records
-    raise ValueError(f"rollout file {path}: use .parquet or .jsonl")
+    records = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({err}); expected one JSON object (a rollout) "
+                                 f"per line, or a .json file holding one array of them") from None
+    return records
 
 
-def validate_records(records: list[dict], vocab_size: int, source: str) -> None:
-    """Raise one ValueError that names the file, the row and the field for the first problems found."""
+def _kind(value) -> str:
+    """A short description of a wrong value for an error message: its type and a clipped repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _ids_problem(ids, vocab_size: int) -> str | None:
+    """Why `ids` is not a non-empty flat list of integer ids in [0, vocab_size), or None."""
+    if not isinstance(ids, (list, tuple)):
+        return f"input_ids: expected a list of integer token ids, got {_kind(ids)}"
+    if not ids:
+        return "empty input_ids"
+    for position, token in enumerate(ids):
+        # Integral floats (a Parquet double column) are fine; 100.7 is not a token id.
+        if not _is_number(token) or (isinstance(token, float) and not token.is_integer()):
+            return f"input_ids: expected integer token ids, got {_kind(token)} at position {position}"
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"token ids {bad[:5]} are outside the model's vocabulary [0, {vocab_size})"
+    return None
+
+
+def _per_token_problem(values, name: str, n: int) -> str | None:
+    """Why `values` is not a list of n numbers (one per token), or None."""
+    if not isinstance(values, (list, tuple)):
+        return f"{name}: expected a list of {n} numbers (one per token), got {_kind(values)}"
+    if len(values) != n:
+        return f"{name} has {len(values)} entries but input_ids has {n}"
+    for position, value in enumerate(values):
+        if not _is_number(value):
+            return f"{name}: expected numbers, got {_kind(value)} at position {position}"
+    return None
+
+
+PER_TOKEN = ("input_ids", "response_mask") + TARGETS + OPTIONAL
+
+
+def validate_records(records: list, vocab_size: int, source: str, *, max_positions: int | None = None,
+                     truncate: bool = False) -> list[str]:
+    """Raise one ValueError that names the file, the row and the field for the first problems found.
+
+    Rows longer than `max_positions` tokens are refused, or, with `truncate`, cut to that length in
+    place. Returns notes worth telling the user (rows cut, rows without response tokens).
+    """
     if not records:
         raise ValueError(f"{source} holds no rollouts")
-    problems = []
-    fields = set(records[0])
+    problems, notes = [], []
+    first = next((r for r in records if isinstance(r, dict)), {})
+    fields = set(first)
     has_target = [t for t in TARGETS if t in fields]
     if not has_target:
         problems.append(f"no 'returns' or 'rewards' field (fields present: {sorted(fields)}); every rollout needs one")
     elif len(has_target) == 2:
         problems.append("both 'returns' and 'rewards' are present; give exactly one")
+    with_old = [row for row, r in enumerate(records) if isinstance(r, dict) and r.get("old_values") is not None]
+    if with_old and len(with_old) < len(records):
+        have = set(with_old)
+        without = next(row for row in range(len(records)) if row not in have)
+        problems.append(f"row {without}: missing field 'old_values' (row {with_old[0]} has it); give old_values in "
+                        f"every row or in none")
+    truncated = no_response = 0
     for row, record in enumerate(records):
+        if len(problems) >= 10:
+            break
+        if not isinstance(record, dict):
+            problems.append(f"row {row}: expected an object with fields input_ids, response_mask, returns or "
+                            f"rewards, got {_kind(record)}")
+            continue
         missing = [f for f in REQUIRED + tuple(has_target[:1]) if f not in record or record[f] is None]
         if missing:
             problems.append(f"row {row}: missing field(s) {missing}")
             continue
         ids = record["input_ids"]
-        n = len(ids)
-        if n == 0:
-            problems.append(f"row {row}: empty input_ids")
+        problem = _ids_problem(ids, vocab_size)
+        if problem:
+            problems.append(f"row {row}: {problem}")
             continue
-        for name in ("response_mask", *has_target[:1], *(f for f in OPTIONAL if record.get(f) is not None)):
-            if len(record[name]) != n:
-                problems.append(f"row {row}: {name} has {len(record[name])} entries but input_ids has {n}")
-        bad_ids = [t for t in ids if not 0 <= int(t) < vocab_size]
-        if bad_ids:
-            problems.append(f"row {row}: token ids {bad_ids[:5]} are outside the model's vocabulary [0, {vocab_size})")
+        n = len(ids)
+        per_token = ("response_mask", *has_target[:1], *(f for f in OPTIONAL if record.get(f) is not None))
+        row_problems = [p for p in (_per_token_problem(record[name], name, n) for name in per_token) if p]
+        if row_problems:
+            problems += [f"row {row}: {p}" for p in row_problems]
+            continue
+        if max_positions is not None and n > max_positions:
+            if not truncate:
+                problems.append(f"row {row}: input_ids has {n} tokens, more than the model's max_position_embeddings "
+                                f"({max_positions}); shorten it, or set data.truncate_to_max_positions=true to cut "
+                                f"such rows to {max_positions} tokens")
+                continue
+            for name in PER_TOKEN:
+                if record.get(name) is not None:
+                    record[name] = record[name][:max_positions]
+            truncated += 1
         mask = record["response_mask"]
         if any(m not in (0, 1) for m in mask):
             problems.append(f"row {row}: response_mask must hold only 0 and 1")
-        elif mask and mask[0] == 1:
+            continue
+        if mask[0] == 1:
             problems.append(f"row {row}: response_mask[0] is 1, but the first token has no preceding state to value")
-        for name in (*has_target[:1], *(f for f in OPTIONAL if record.get(f) is not None)):
-            values = record[name]
-            bad = [i for i, (v, m) in enumerate(zip(values, mask)) if m and not math.isfinite(float(v))]
+        no_response += not any(mask)
+        for name in per_token[1:]:
+            bad = [i for i, (v, m) in enumerate(zip(record[name], mask)) if m and not math.isfinite(v)]
             if bad:
                 problems.append(f"row {row}: {name} is NaN/inf at response positions {bad[:5]}")
-        if len(problems) >= 10:
-            break
+    if not problems and no_response == len(records):
+        problems.append("no row has a response token (response_mask is 0 everywhere), so there is nothing to train "
+                        "on; mark the response tokens with 1")
     if problems:
         raise ValueError(f"invalid rollouts in {source}:\n  " + "\n  ".join(problems[:10]))
+    if truncated:
+        notes.append(f"{source}: cut {truncated} of {len(records)} rollouts to the model's max_position_embeddings "
+                     f"({max_positions} tokens; data.truncate_to_max_positions=true)")
+    if no_response:
+        notes.append(f"warning: {no_response} of {len(records)} rollouts in {source} have no response tokens "
+                     f"(response_mask all 0); they add nothing to training")
+    return notes
 
 
 def to_rollouts(records: list[dict]) -> Rollouts:
@@ -128,9 +216,13 @@ def to_rollouts(records: list[dict]) -> Rollouts:
                     padded("rewards", torch.float32), padded("old_values", torch.float32))
 
 
-def load_rollouts(path: str, vocab_size: int) -> Rollouts:
+def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = None, truncate: bool = False,
+                  notes: list[str] | None = None) -> Rollouts:
+    """Read and validate a rollout file; what validate_records reports is appended to `notes`."""
     records = read_records(path)
-    validate_records(records, vocab_size, path)
+    found = validate_records(records, vocab_size, path, max_positions=max_positions, truncate=truncate)
+    if notes is not None:
+        notes += found
     return to_rollouts(records)
 
 

@@ -18,6 +18,7 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   save_checkpoint(dir, extra_state) / load_checkpoint(dir) -> extra_state
                                  collective; atomic, fingerprinted (common/checkpoints.py); loading
                                  restores the engine's own RNG, never the process's.
+  checkpoint_bytes() -> int      the bytes a save writes (all ranks), for the free-space check
   export_hf(dir)                 a plain *ForTokenClassification (common.valuehead.save_critic)
   load_report                    common.valuehead.LoadReport of the checkpoint the critic came from
   close()                        release it; before the process group is destroyed
@@ -78,6 +79,8 @@ class CriticEngine(Protocol):
     def update(self, batch: RolloutBatch) -> dict[str, float]: ...
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None: ...
+
+    def checkpoint_bytes(self) -> int: ...
 
     def load_checkpoint(self, directory: str) -> dict: ...
 

@@ -5,21 +5,33 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to run_dir/metrics.jsonl (and TensorBoard); rank 0 only."""
+    """Appends one JSON object per step to run_dir/metrics.jsonl (and TensorBoard); rank 0 only.
 
-    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool):
+    keep_until_step=None starts a fresh run: metrics.jsonl and tensorboard/ left by an earlier run are
+    removed. A resumed run passes its checkpoint's step: records logged after it are dropped.
+    """
+
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, keep_until_step: int | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.last_step = keep_until_step or 0
         self._writer = None
+        if enabled:
+            _start_file(self.path, keep_until_step)
+            if keep_until_step is None:
+                shutil.rmtree(os.path.join(run_dir, "tensorboard"), ignore_errors=True)
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        if prefix == "train":
+            self.last_step = step
         if not self.enabled:
             return
         record = {"step": step, "split": prefix, **{k: _finite_or_none(v) for k, v in metrics.items()}}
@@ -33,6 +45,17 @@ class MetricsLogger:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def _start_file(path: str, keep_until_step: int | None) -> None:
+    """Empty `path`, or keep only its records up to `keep_until_step` (rewritten atomically)."""
+    kept = []
+    if keep_until_step is not None and os.path.isfile(path):
+        kept = [r for r in read_metrics(path) if r["step"] <= keep_until_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
 
 
 def _finite_or_none(value):

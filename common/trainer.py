@@ -10,21 +10,42 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import shutil
 
 import torch
 
 from common import checkpoints
-from common.config import TrainConfig, to_yaml
+from common.config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
 from common.data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
-from common.distributed import DistContext, all_gather_object, barrier
-from common.engine import RolloutBatch, build_engine, shift_to_tokens
+from common.distributed import DistContext, all_gather_object, barrier, broadcast_object
+from common.engine import BACKENDS, RolloutBatch, build_engine, shift_to_tokens
 from common.loss import explained_variance
 from common.metrics import MetricsLogger, plot_metrics
+from common.run_lock import run_dir_lock
 
 PREPARED = "prepared_rollouts.pt"
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C (SIGINT) during training: where it stopped, and the checkpoint to resume from."""
+
+    def __init__(self, step: int, latest: str | None):
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.latest = step, latest
+
+    def message(self) -> str:
+        if self.latest is None:
+            return f"interrupted at step {self.step}, before the first checkpoint; run again to start over"
+        return f"interrupted at step {self.step}; resume with --resume (from {os.path.basename(self.latest)})"
+
+
+def check_backend(config: TrainConfig) -> None:
+    if config.backend not in BACKENDS:
+        raise ValueError(f"backend={config.backend!r} is not registered; available: {', '.join(sorted(BACKENDS))}")
 
 
 def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
@@ -43,34 +64,55 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
     return target
 
 
-def _vocab_size(model_path: str, trust_remote_code: bool) -> int:
+def model_limits(model_path: str, trust_remote_code: bool) -> tuple[int, int | None]:
+    """(vocab_size, max_position_embeddings or None) of the model at `model_path` (or `embedded:<family>`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config().vocab_size
+    if model_path.startswith("embedded:"):
+        from common.testdata import tiny_config
+
+        text = tiny_config(model_path.removeprefix("embedded:")).get_text_config()
+    else:
+        text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    return text.vocab_size, getattr(text, "max_position_embeddings", None)
 
 
-def read_rollouts(config: TrainConfig, vocab_size: int) -> tuple[Rollouts, Rollouts]:
+def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | None = None,
+                  say=print) -> tuple[Rollouts, Rollouts]:
     """(train, eval) rollouts, validated; eval is data.eval_path or a held-out share of train."""
     data = config.data
+    notes: list[str] = []
+    limits = {"max_positions": max_positions, "truncate": data.truncate_to_max_positions}
     if data.train_path == "embedded:default":
         records = make_default_records(data.num_rollouts, seed=config.engine.seed)
-        validate_records(records, vocab_size, "embedded:default")
+        notes += validate_records(records, vocab_size, "embedded:default", **limits)
         rollouts = to_rollouts(records)
     else:
-        rollouts = load_rollouts(data.train_path, vocab_size)
+        rollouts = load_rollouts(data.train_path, vocab_size, notes=notes, **limits)
     if data.eval_path is not None:
-        return rollouts, load_rollouts(data.eval_path, vocab_size)
-    order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(config.engine.seed))
-    held_out = int(round(len(rollouts) * data.eval_fraction))
-    if data.eval_fraction > 0 and held_out == 0:
-        held_out = 1
-    return rollouts.select(order[held_out:]), rollouts.select(order[:held_out])
+        train, held_out = rollouts, load_rollouts(data.eval_path, vocab_size, notes=notes, **limits)
+    else:
+        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(config.engine.seed))
+        count = int(round(len(rollouts) * data.eval_fraction))
+        if data.eval_fraction > 0 and count == 0:
+            count = 1
+        train, held_out = rollouts.select(order[count:]), rollouts.select(order[:count])
+        if len(held_out) == 0:
+            raise ValueError(f"data.eval_fraction=0 and no data.eval_path: the held-out evaluation needs rollouts; "
+                             f"set data.eval_fraction > 0 or give data.eval_path")
+        if len(train) == 0:
+            raise ValueError(f"{data.train_path} holds {len(rollouts)} rollout(s): holding out "
+                             f"data.eval_fraction={data.eval_fraction} of them (at least one) for evaluation leaves "
+                             f"none to train on; give more rollouts, or the held-out ones as data.eval_path")
+    for note in notes:
+        say(note)
+    return train, held_out
 
 
 def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.Tensor:
     """Critic values [N, T] for all rollouts on every rank: each data-parallel rank computes a strided
-    share (its model-parallel peers compute the same share with it), then the DP group gathers."""
-    mine = torch.arange(engine.dp_rank, len(rollouts), engine.dp_size)
+    share (maybe none; its model-parallel peers compute the same share with it), then the DP group gathers."""
+    mine = torch.arange(len(rollouts))[engine.dp_rank::engine.dp_size]
     values = engine.compute_values(rollouts.input_ids[mine], rollouts.attention_mask[mine])
     out = torch.zeros(rollouts.input_ids.shape, dtype=torch.float32)
     for index, share in all_gather_object((mine, values), group=engine.dp_group):
@@ -82,6 +124,7 @@ def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistC
     """Fill in old values (the initial critic's predictions) and returns (GAE when given rewards)."""
     if rollouts.old_values is None or rollouts.returns is None:
         predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
+        check_model_values(predictions, rollouts.response_mask, config, "the initial critic's values")
         if rollouts.old_values is None:
             rollouts.old_values = predictions * rollouts.response_mask
         if rollouts.returns is None:
@@ -93,12 +136,22 @@ def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistC
 def evaluate(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> dict[str, float]:
     """Held-out value loss (unclipped, token-mean) and explained variance of the current critic."""
     predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
+    check_model_values(predictions, rollouts.response_mask, config, "the critic's held-out values")
     mask = rollouts.response_mask.bool()
     error = (predictions - rollouts.returns)[mask]
     return {
         "value_loss": float(0.5 * (error ** 2).mean()) if error.numel() else float("nan"),
         "explained_variance": explained_variance(predictions, rollouts.returns, rollouts.response_mask),
     }
+
+
+def check_model_values(predictions: torch.Tensor, response_mask: torch.Tensor, config: TrainConfig, what: str) -> None:
+    """The model, not the (already validated) rollouts, is to blame for non-finite values it computes."""
+    bad = int((~torch.isfinite(predictions[response_mask.bool()])).sum())
+    if bad:
+        raise ValueError(f"{what} are NaN/inf at {bad} response tokens: the model ({config.engine.model.path}) "
+                         f"produces them, not the rollout data (which was checked). Check its weights (python -m "
+                         f"common.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
 
 
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
@@ -116,42 +169,79 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
 
         say = tqdm.write  # prints above the progress bar instead of through it
     say = say if main else (lambda *a, **k: None)
+    check_backend(config)
 
+    # Read-only checks first: a refused run changes nothing in run_dir.
     latest = checkpoints.find_latest(ckpt_root)
     if trainer.resume and latest is None:
         raise ValueError(f"--resume: no complete checkpoint in {ckpt_root}; run without --resume to start fresh")
     if not trainer.resume and latest is not None:
         raise ValueError(f"{run_dir} already holds checkpoints ({os.path.basename(latest)}); pass --resume to "
                          f"continue that run, or choose another trainer.run_dir")
-    if main:
-        os.makedirs(ckpt_root, exist_ok=True)
-        checkpoints.prune(ckpt_root, keep_last=trainer.keep_last)  # staging left by an interrupted save
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(config))
-
-    model_path = resolve_model_path(config.engine.model.path, run_dir, dist)
     prepared_file = os.path.join(run_dir, PREPARED)
     resuming = trainer.resume
     if resuming and not os.path.isfile(prepared_file):
         raise ValueError(f"--resume: {prepared_file} is missing, so the run's old values and returns cannot be "
                          f"restored; resume in the run_dir the checkpoint came from")
+    saved = _check_resume_config(config, run_dir, say) if resuming else None
     if resuming:
         prepared = torch.load(prepared_file, weights_only=True)
         train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
     else:
-        train, held_out = read_rollouts(config, _vocab_size(model_path, config.engine.model.trust_remote_code))
-    mini = config.data.mini_batch_size
-    steps_per_epoch = math.ceil(len(train) / mini)
-    total_steps = steps_per_epoch * trainer.epochs
-    optim = dataclasses.replace(config.engine.optim, total_steps=config.engine.optim.total_steps or total_steps)
-    model_cfg = dataclasses.replace(config.engine.model, path=model_path)
-    engine_cfg = dataclasses.replace(config.engine, optim=optim, model=model_cfg)
+        vocab_size, max_positions = model_limits(config.engine.model.path, config.engine.model.trust_remote_code)
+        train, held_out = read_rollouts(config, vocab_size, max_positions, say)
 
-    engine = build_engine(config.backend, engine_cfg, dist)
-    try:
-        return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch)
-    finally:
-        engine.close()
+    # One run per run_dir (rank 0 holds the lock; if it cannot, it fails and takes the others down).
+    with run_dir_lock(run_dir) if main else contextlib.nullcontext():
+        if main:
+            os.makedirs(ckpt_root, exist_ok=True)
+            checkpoints.prune(ckpt_root, keep_last=trainer.keep_last)  # staging left by an interrupted save
+        model_path = resolve_model_path(config.engine.model.path, run_dir, dist)
+        mini = config.data.mini_batch_size
+        steps_per_epoch = math.ceil(len(train) / mini)
+        # The LR schedule spans the steps the run was started with: a resumed run that adds epochs keeps
+        # its schedule (saved in config.yaml) rather than stretching it mid-run.
+        total_steps = config.engine.optim.total_steps or steps_per_epoch * trainer.epochs
+        if saved is not None and config.engine.optim.total_steps is None:
+            total_steps = saved.engine.optim.total_steps or total_steps
+        optim = dataclasses.replace(config.engine.optim, total_steps=total_steps)
+        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, optim=optim))
+        if main:
+            # config.yaml tells the truth: the keys this run uses, with the schedule's length filled in.
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(config))
+        model_cfg = dataclasses.replace(config.engine.model, path=model_path)
+        engine_cfg = dataclasses.replace(config.engine, model=model_cfg)
+
+        engine = build_engine(config.backend, engine_cfg, dist)
+        try:
+            return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch)
+        finally:
+            engine.close()
+
+
+def _check_resume_config(config: TrainConfig, run_dir: str, say) -> TrainConfig:
+    """The run's saved config; refuse keys that cannot change mid-run, report the ones that did."""
+    saved_file = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved_file):
+        raise ValueError(f"--resume: {saved_file} is missing, so the run's settings cannot be checked; resume in the "
+                         f"run_dir the checkpoint came from")
+    saved = load_train_config([saved_file], [])
+    changes = config_changes(saved, config)
+    if config.engine.optim.total_steps is None:  # the saved value is what this run resolved it to
+        changes = [c for c in changes if c[0] != "engine.optim.total_steps"]
+    fixed = [c for c in changes if c[0] not in CHANGEABLE_ON_RESUME]
+    if fixed:
+        listed = "; ".join(f"{key}: {old!r} in the run, {new!r} now" for key, old, new in fixed)
+        raise ValueError(f"--resume: settings that cannot change mid-run differ from {saved_file}: {listed}. Resume "
+                         f"with the run's values, or start a new run in another trainer.run_dir")
+    for key, old, new in changes:
+        if key not in ("trainer.resume", "trainer.run_dir"):
+            note = ""
+            if key == "trainer.epochs" and saved.engine.optim.total_steps:
+                note = f" (the LR schedule still spans the run's {saved.engine.optim.total_steps} steps)"
+            say(f"resume: {key} changed from {old!r} to {new!r}{note}")
+    return saved
 
 
 def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts,
@@ -180,31 +270,19 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
             os.replace(tmp, prepared_file)
         barrier()
 
-    metrics_log = MetricsLogger(run_dir, enabled=main, tensorboard=trainer.tensorboard)
+    # A fresh run starts its metrics afresh; a resumed one drops what the interrupted run logged after
+    # its last checkpoint (those steps run again).
+    metrics_log = MetricsLogger(run_dir, enabled=main, tensorboard=trainer.tensorboard,
+                                keep_until_step=position["global_step"] if resuming else None)
     if not resuming:
         metrics_log.log(0, evaluate(engine, held_out, config, dist), prefix="eval")
     progress = _progress(total_steps, position["global_step"], enabled=main and trainer.progress)
     step = position["global_step"]
-    for epoch in range(position["epoch"], trainer.epochs):
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.engine.seed * 1000 + epoch))
-        first = position["step_in_epoch"] if epoch == position["epoch"] else 0
-        for step_in_epoch in range(first, steps_per_epoch):
-            rows = order[step_in_epoch * mini:(step_in_epoch + 1) * mini]
-            metrics = engine.update(_batch(train, rows[engine.dp_rank::engine.dp_size]))  # a DP rank's share
-            step += 1
-            metrics_log.log(step, metrics)
-            progress.update(1)
-            progress.set_postfix(loss=f"{metrics['value_loss']:.4f}", ev=f"{metrics['explained_variance']:.3f}",
-                                 refresh=False)
-            next_position = {"epoch": epoch, "step_in_epoch": step_in_epoch + 1, "global_step": step}
-            if step_in_epoch + 1 == steps_per_epoch:
-                next_position = {"epoch": epoch + 1, "step_in_epoch": 0, "global_step": step}
-            if trainer.save_every_steps and step % trainer.save_every_steps == 0 and step != total_steps:
-                _save(engine, ckpt_root, step, next_position, trainer.keep_last, main, say)
-        held = evaluate(engine, held_out, config, dist)
-        metrics_log.log(step, held, prefix="eval")
-        say(f"epoch {epoch + 1}/{trainer.epochs}: train loss {metrics['value_loss']:.4f}, held-out loss "
-            f"{held['value_loss']:.4f}, held-out explained_variance {held['explained_variance']:.3f}")
+    try:
+        step = _epochs(engine, config, dist, train, held_out, position, metrics_log, progress, say, steps_per_epoch)
+    except KeyboardInterrupt:
+        progress.close()
+        raise TrainingInterrupted(metrics_log.last_step, checkpoints.find_latest(ckpt_root)) from None
     progress.close()
 
     _save(engine, ckpt_root, step, {"epoch": trainer.epochs, "step_in_epoch": 0, "global_step": step},
@@ -222,6 +300,43 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     return final
 
 
+def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts, position: dict,
+            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int) -> int:
+    """The training loop from `position` to the last epoch; returns the last global step."""
+    trainer = config.trainer
+    main = dist.is_main
+    ckpt_root = os.path.join(os.path.abspath(trainer.run_dir), "checkpoints")
+    mini = config.data.mini_batch_size
+    total_steps = steps_per_epoch * trainer.epochs
+    step = position["global_step"]
+    for epoch in range(position["epoch"], trainer.epochs):
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.engine.seed * 1000 + epoch))
+        first = position["step_in_epoch"] if epoch == position["epoch"] else 0
+        for step_in_epoch in range(first, steps_per_epoch):
+            rows = order[step_in_epoch * mini:(step_in_epoch + 1) * mini]
+            metrics = engine.update(_batch(train, rows[engine.dp_rank::engine.dp_size]))  # a DP rank's share
+            step += 1
+            if not math.isfinite(metrics["value_loss"]):
+                # The rollouts were checked finite: the critic's own values have blown up.
+                raise ValueError(f"step {step}: the value loss is {metrics['value_loss']}: the critic's values became "
+                                 f"NaN/inf in training (the rollout data was checked finite); lower "
+                                 f"engine.optim.lr, or resume from an earlier checkpoint with a smaller one")
+            metrics_log.log(step, metrics)
+            progress.update(1)
+            progress.set_postfix(loss=f"{metrics['value_loss']:.4f}", ev=f"{metrics['explained_variance']:.3f}",
+                                 refresh=False)
+            next_position = {"epoch": epoch, "step_in_epoch": step_in_epoch + 1, "global_step": step}
+            if step_in_epoch + 1 == steps_per_epoch:
+                next_position = {"epoch": epoch + 1, "step_in_epoch": 0, "global_step": step}
+            if trainer.save_every_steps and step % trainer.save_every_steps == 0 and step != total_steps:
+                _save(engine, ckpt_root, step, next_position, trainer.keep_last, main, say)
+        held = evaluate(engine, held_out, config, dist)
+        metrics_log.log(step, held, prefix="eval")
+        say(f"epoch {epoch + 1}/{trainer.epochs}: train loss {metrics['value_loss']:.4f}, held-out loss "
+            f"{held['value_loss']:.4f}, held-out explained_variance {held['explained_variance']:.3f}")
+    return step
+
+
 def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
     """The trained critic's values next to the returns for the first response tokens of held-out rollout 0."""
     first = rollouts.select(torch.tensor([0]))
@@ -232,14 +347,51 @@ def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
     return f"held-out rollout 0, first response tokens: values {values} vs returns {returns}"
 
 
+def _mount_point(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _disk_full_message(root: str, directory: str, needed: int, free: int) -> str:
+    latest = checkpoints.find_latest(root)
+    last_good = f"the last good checkpoint is {latest}" if latest else "there is no good checkpoint yet"
+    return (f"not enough disk space to save {os.path.basename(directory)}: it needs about {needed / 2**20:.1f} MiB, "
+            f"the disk at {_mount_point(root)} has {free / 2**20:.1f} MiB free; {last_good}. Free some space (or "
+            f"lower trainer.keep_last), then resume with --resume")
+
+
 def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say) -> None:
     directory = checkpoints.step_dir(root, step)
-    engine.save_checkpoint(directory, position)
+    # Check the space first (rank 0's view, on every rank, so all refuse together): a write that runs
+    # out of space half-way fails with messages that never mention the disk.
+    needed = engine.checkpoint_bytes()
+    free = broadcast_object(shutil.disk_usage(root).free if main else None)
+    if needed > free:
+        raise ValueError(_disk_full_message(root, directory, needed, free))
+    try:
+        engine.save_checkpoint(directory, position)
+    except Exception as err:
+        free = shutil.disk_usage(root).free
+        if free < needed or _caused_by_full_disk(err):
+            raise ValueError(_disk_full_message(root, directory, needed, free)) from err
+        raise
     if main:
         checkpoints.mark_latest(root, directory)
         checkpoints.prune(root, keep_last=keep_last)
     barrier()
     say(f"checkpoint saved: {os.path.basename(directory)}")
+
+
+def _caused_by_full_disk(err: BaseException | None) -> bool:
+    import errno
+
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _as_dict(rollouts: Rollouts) -> dict:
@@ -259,11 +411,13 @@ def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
     from common.valuehead.cli import inspect_checkpoint
 
     say = say if dist.is_main else (lambda *a, **k: None)
+    check_backend(config)
     model_path = resolve_model_path(config.engine.model.path, os.path.abspath(config.trainer.run_dir), dist)
     info = inspect_checkpoint(model_path, head_prefix=config.engine.model.head_prefix,
                               trust_remote_code=config.engine.model.trust_remote_code)
     say(f"model: {model_path}: {info['format']}, {info['family']} -> {info['critic_class']}, "
         f"initialise {info['would_initialise'] or 'nothing'}")
-    train, held_out = read_rollouts(config, _vocab_size(model_path, config.engine.model.trust_remote_code))
+    vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
+    train, held_out = read_rollouts(config, vocab_size, max_positions, say)
     tokens = int(train.attention_mask.sum())
     say(f"rollouts: {len(train)} train ({tokens} tokens), {len(held_out)} held out; config OK")

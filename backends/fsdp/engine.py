@@ -169,6 +169,15 @@ class FSDPCriticEngine:
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
         checkpoint.save_checkpoint(directory, self, extra_state or {})
 
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
+        tensors = list(self.model.parameters())
+        tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        local = sum(s.numel() * s.element_size() for s in shards)
+        (total,) = all_reduce([float(local)], group=self.dp_group)
+        return int(total) + 2**20
+
     def load_checkpoint(self, directory: str) -> dict:
         return checkpoint.load_checkpoint(directory, self)
 

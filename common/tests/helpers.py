@@ -48,3 +48,45 @@ def run_pytest(file: str) -> None:
     import pytest
 
     sys.exit(pytest.main([file, "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+
+
+@contextlib.contextmanager
+def read_only_dir(path: str):
+    """Make the existing directory `path` read-only inside the block.
+
+    A normal user gets chmod 0555. Root ignores permission bits, so for root an empty read-only
+    tmpfs is mounted over `path` instead (the test is skipped where mounting is not allowed).
+    """
+    import os
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        try:
+            yield path
+        finally:
+            os.chmod(path, 0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def tree_snapshot(path) -> dict:
+    """{relative path: (size, mtime_ns)} of every file and directory under `path`: equal snapshots mean
+    nothing was written there."""
+    import os
+
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            stat = os.stat(full)
+            out[os.path.relpath(full, path)] = (stat.st_size if name in files else 0, stat.st_mtime_ns)
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
 import struct
@@ -23,6 +24,8 @@ BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 # Sidecar value heads written next to a base model (LLaMA-Factory / ROLL trl mode).
 SIDECAR_FILES = ("value_head.safetensors", "value_head.bin")
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                         "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,6 +71,15 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
             f"{path} is truncated or padded: tensors need {8 + header_len + data_end} bytes, the "
             f"file has {size}; {fix}"
         )
+    for key, entry in header.items():
+        begin, end = entry["data_offsets"]
+        itemsize = _SAFETENSORS_ITEMSIZE.get(entry["dtype"])
+        if itemsize is not None and math.prod(entry["shape"]) * itemsize != end - begin:
+            raise CriticLoadError(
+                f"{path}: the header says tensor {key} is {entry['dtype']} of shape {entry['shape']} "
+                f"({math.prod(entry['shape']) * itemsize} bytes), but its data holds {end - begin} bytes; "
+                f"the file is corrupt: {fix}"
+            )
     name = os.path.basename(path)
     return {
         key: TensorInfo(shape=tuple(entry["shape"]), dtype=entry["dtype"], file=name)

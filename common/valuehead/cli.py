@@ -3,6 +3,7 @@
   python -m common.valuehead inspect PATH [--json]
   python -m common.valuehead convert SRC DST [--dtype bfloat16] [--fresh-head] [--head-prefix P]
   python -m common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
+  python -m common.valuehead values PATH --rollouts FILE --out values.parquet   # a whole rollout file
   python -m common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -81,10 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-head", action="store_true", help="ignore any head in SRC; start from a fresh one")
     load_options(p)
 
-    p = sub.add_parser("values", help="load a critic and print per-token values for some tokens")
+    p = sub.add_parser("values", help="per-token values for some tokens, or for a whole rollout file")
     p.add_argument("path")
-    p.add_argument("--tokens", help="space-separated token ids (default: 12 random ids)")
+    p.add_argument("--tokens", help="token ids separated by spaces or commas (default: 12 random ids)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rollouts", help="a rollout file (.parquet/.jsonl/.json, docs/DATA.md): values for every row")
+    p.add_argument("--out", help="with --rollouts: the .parquet to write (input_ids, response_mask, values)")
+    p.add_argument("--batch-size", type=int, default=16, help="with --rollouts: rows per forward pass")
     load_options(p)
 
     p = sub.add_parser("demo", help="write the embedded tiny Qwen2 model to OUT_DIR, inspect it, print values")
@@ -97,7 +102,7 @@ def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> No
     print(report)
     vocab = model.config.get_text_config().vocab_size
     if tokens:
-        ids = torch.tensor([[int(t) for t in tokens.split()]])
+        ids = torch.tensor([parse_token_ids(tokens)])
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise CriticLoadError(f"--tokens must be ids in [0, {vocab}); got {tokens!r}")
     else:
@@ -108,6 +113,70 @@ def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> No
         values = compute_values(model, ids, torch.ones_like(ids))
     print(f"tokens  {ids[0].tolist()}")
     print(f"values  {[round(v, 5) for v in values[0].tolist()]}  (shape {list(values.shape)}, {values.dtype})")
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """'5 6 7', '5,6,7' or '5, 6, 7' -> [5, 6, 7]."""
+    parts = [p for p in re.split(r"[\s,]+", text.strip()) if p]
+    bad = [p for p in parts if not p.lstrip("-").isdigit()]
+    if bad or not parts:
+        raise CriticLoadError(f"--tokens must be integer token ids separated by spaces or commas; got {text!r}")
+    return [int(p) for p in parts]
+
+
+def _refuse_unwritable(path: str, what: str) -> None:
+    from common.atomic_dir import unwritable_reason
+
+    reason = unwritable_reason(os.path.dirname(os.path.abspath(path)) if what == "file" else path)
+    if reason:
+        raise CriticLoadError(f"cannot write {path}: {reason}; choose another destination")
+
+
+def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_kwargs) -> None:
+    """The critic's values for every row of a rollout file, written to a Parquet file.
+
+    `values` is aligned with input_ids as in training: entry t is the critic's value for token t (read
+    at position t - 1; entry 0 is 0), so the column can serve as the file's old_values.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    from common.data import read_records, validate_records
+    from common.engine import shift_to_tokens
+    from common.valuehead.values import compute_values
+
+    if not out.endswith(".parquet"):
+        raise CriticLoadError(f"--out {out}: write a .parquet file")
+    if os.path.exists(out):
+        raise CriticLoadError(f"{out} already exists; choose a new --out file")
+    _refuse_unwritable(out, "file")
+    records = read_records(rollouts)
+    model, report = load_critic(path, **load_kwargs)
+    print(report, file=sys.stderr)
+    text = model.config.get_text_config()
+    for note in validate_records(records, text.vocab_size, rollouts,
+                                 max_positions=getattr(text, "max_position_embeddings", None)):
+        print(note, file=sys.stderr)
+    values = []
+    with torch.no_grad(), tqdm(total=len(records), desc="values", unit="rollout", file=sys.stderr) as bar:
+        for start in range(0, len(records), batch_size):
+            rows = [r["input_ids"] for r in records[start:start + batch_size]]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+                mask[i, :len(r)] = 1
+            predictions = shift_to_tokens(compute_values(model, ids, mask))
+            values += [predictions[i, :len(r)].tolist() for i, r in enumerate(rows)]
+            bar.update(len(rows))
+    table = pa.table({"input_ids": [[int(t) for t in r["input_ids"]] for r in records],
+                      "response_mask": [r["response_mask"] for r in records], "values": values})
+    tmp = out + ".tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out)
+    print(f"wrote {out}: values for {len(records)} rollouts ({sum(len(v) for v in values)} tokens)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if is_nonempty_dir(args.dst) or (os.path.exists(args.dst) and not os.path.isdir(args.dst)):
                 raise CriticLoadError(f"{args.dst} already exists and is not empty; convert writes a new directory")
+            _refuse_unwritable(args.dst, "directory")  # before loading what may be a large model
 
             model, report = load_critic(args.src, torch_dtype=DTYPES[args.dtype], head_prefix=args.head_prefix,
                                         fresh_head=args.fresh_head, trust_remote_code=args.trust_remote_code)
@@ -129,16 +199,24 @@ def main(argv: list[str] | None = None) -> int:
             out = save_critic(model, args.dst)
             print(f"wrote {out} ({model.config.architectures[0]}, num_labels=1)")
         elif args.command == "values":
-            _print_values(args.path, args.tokens, args.seed, head_prefix=args.head_prefix,
-                          trust_remote_code=args.trust_remote_code)
+            load_kwargs = {"head_prefix": args.head_prefix, "trust_remote_code": args.trust_remote_code}
+            if args.rollouts:
+                if args.tokens or not args.out:
+                    raise CriticLoadError("--rollouts needs --out FILE.parquet, and does not take --tokens")
+                rollout_values(args.path, args.rollouts, args.out, args.batch_size, **load_kwargs)
+            else:
+                _print_values(args.path, args.tokens, args.seed, **load_kwargs)
         elif args.command == "demo":
+            from common.atomic_dir import is_nonempty_dir
             from common.testdata import save_tiny_causal_lm
 
+            if is_nonempty_dir(args.out_dir) or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):
+                raise CriticLoadError(f"{args.out_dir} already exists and is not empty; demo writes a new directory")
             path = save_tiny_causal_lm("qwen2", args.out_dir)
             _print_inspection(inspect_checkpoint(path))
             print()
             _print_values(path, None, 0)
-    except (CriticLoadError, FileExistsError, ImportError) as err:
+    except (ValueError, OSError, ImportError) as err:  # CriticLoadError and bad rollouts are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

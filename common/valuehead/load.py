@@ -166,6 +166,33 @@ def _fill_head(model, path: str, index: CheckpointIndex, detection: Detection, f
     return "loaded", "loaded"
 
 
+def _shape_mismatch_message(path: str, index: CheckpointIndex, model_cls, config) -> str:
+    """Which checkpoint tensors (and files) have shapes the model built from config.json does not."""
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in model_cls(config).state_dict().items()}
+    wrong = [f"{key} is {list(info.shape)} in {info.file}, the model needs {list(expected[key])}"
+             for key, info in sorted(index.tensors.items()) if key in expected and expected[key] != info.shape]
+    files = sorted({info.file for info in index.tensors.values()})
+    detail = "; ".join(wrong[:5]) if wrong else f"in {', '.join(files)}"
+    return (f"{path}: tensor shapes differ from what its config.json describes ({detail}). The weights and config "
+            f"come from different models, or a file's header is wrong")
+
+
+@torch.no_grad()
+def _check_finite(model, path: str) -> None:
+    """Refuse NaN/inf in the head, the embeddings and every 1-D tensor (norms, biases): a corrupt
+    checkpoint then fails here, naming the tensor, instead of as NaN values later. The large
+    matrices are left unchecked to keep loading cheap."""
+    embeddings = model.get_input_embeddings().weight
+    for name, tensor in model.named_parameters():
+        if tensor.dim() > 1 and tensor is not embeddings and tensor is not critic_head(model).weight:
+            continue
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise CriticLoadError(f"{path}: tensor {name} holds {bad} NaN/inf value(s) of {tensor.numel()}; the "
+                                  f"checkpoint is corrupt (or diverged in training): use an earlier or re-exported one")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadPlan:
     """Everything decided from config.json and tensor headers alone, before any weight is read."""
@@ -226,20 +253,26 @@ def load_critic(
     attn = select_attn_implementation(model_cls, attn_implementation)
 
     key_mapping = detection.key_mapping(head_attr, include_head=not fresh_head)
-    # fork_rng: transformers initialises whatever the checkpoint lacks from the global RNG; loading
-    # a critic must not change the caller's random stream (the fresh head has its own generator).
-    with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        model, info = model_cls.from_pretrained(
-            path,
-            config=critic_cfg,
-            dtype=torch_dtype,
-            attn_implementation=attn,
-            key_mapping=key_mapping or None,
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-        )
+    try:
+        # fork_rng: transformers initialises whatever the checkpoint lacks from the global RNG; loading
+        # a critic must not change the caller's random stream (the fresh head has its own generator).
+        with quiet_transformers(), torch.random.fork_rng(devices=[]):
+            model, info = model_cls.from_pretrained(
+                path,
+                config=critic_cfg,
+                dtype=torch_dtype,
+                attn_implementation=attn,
+                key_mapping=key_mapping or None,
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+            )
+    except RuntimeError as err:
+        if "mismatched_sizes" not in str(err):
+            raise
+        raise CriticLoadError(_shape_mismatch_message(path, index, model_cls, critic_cfg)) from None
     missing, unexpected = _check_loading_info(path, info, detection, head_attr, fresh_head, plan.projections)
     head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
+    _check_finite(model, path)
     assert not any(name.split(".")[-1] == "lm_head" for name, _ in model.named_modules()), "critic has an lm_head"
     model.eval()
 

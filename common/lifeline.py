@@ -1,0 +1,72 @@
+"""Workers die with the launcher that started them.
+
+torchrun starts each worker in a session of its own, so a launcher killed with SIGKILL (or a
+crashed terminal) would leave the workers training and writing to the run_dir. Two ties:
+  - the launcher's torchrun child gets a parent-death signal (Linux prctl), so torchrun stops its
+    workers when the launcher dies;
+  - each worker watches the launcher's pid (from LAUNCHER_PID_ENV) and exits when it is gone, in
+    case torchrun itself cannot do it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+LAUNCHER_PID_ENV = "CRITIC_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A subprocess preexec_fn: the child gets `sig` when the process that started it dies (Linux)."""
+    parent = os.getpid()  # called in the parent, before the fork
+
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the workers' watchdog still applies
+            return
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _process_state(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time) of `pid` from /proc, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], fields[19]
+
+
+def exit_when_gone(pid: int, poll_s: float = 0.5) -> bool:
+    """Start a daemon thread that ends this process once `pid` has exited; False when it cannot watch
+    (no /proc). A zombie counts as gone, and a recycled pid is told apart by its start time."""
+    first = _process_state(pid)
+    if first is None:
+        if os.path.isdir("/proc"):
+            _leave(pid)
+        return False
+    started = first[1]
+
+    def watch() -> None:
+        while True:
+            state = _process_state(pid)
+            if state is None or state[0] in "ZX" or state[1] != started:
+                _leave(pid)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+    return True
+
+
+def _leave(pid: int) -> None:
+    print(f"error: the launcher (pid {pid}) has exited; stopping this worker", file=sys.stderr, flush=True)
+    os._exit(1)

@@ -1,0 +1,34 @@
+"""torchrun for the launcher's --nproc relaunch, minus torchrun's own report of what the workers
+already reported.
+
+Each worker prints its own one-line error (or "interrupted at step N") before it exits, so torchrun's
+multi-line failure report and its traceback on Ctrl-C only bury that line. This keeps torchrun's
+behaviour and exits with the failed worker's code (2 for a user error, 130 for Ctrl-C); only a worker
+killed by a signal, which could not speak for itself, gets a line here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main()
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode < 0:
+            print(f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}", file=sys.stderr)
+            return 1
+        return failure.exitcode
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""One run per run_dir: an exclusive lock held for the run's lifetime, naming its holder.
+
+run_dir/run.lock is locked with flock and holds the holder's pid. The kernel drops the lock when
+the holder exits however it exits (even SIGKILL), so a stale file never blocks a new run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+
+LOCK_FILE = "run.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str):
+    """Hold the run_dir's lock inside the block; a ValueError naming the holder if another run has it."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ValueError(f"{run_dir} is in use by another run (pid {holder}, lock {path}); wait for it to "
+                             f"finish or stop it, or choose another trainer.run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
