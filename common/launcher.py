@@ -1,0 +1,203 @@
+"""The launcher every backend's train.py shares: arguments, YAML + overrides, checks, torchrun, faults.
+
+  python -m <package>.backends.<name>.train [CONFIG.yaml ...] [key=value ...] [--nproc N] [--resume]
+                                            [--dry-run] [--print-config]
+A backend's train.py is a LauncherSpec (its module name, default config and config check) and a
+call to launch(). Flags may come anywhere among the items. Without torchrun, --nproc N > 1
+relaunches the same module under torchrun, by the name it runs under (so a vendored copy relaunches
+itself, not ours). Config, backend and run_dir are checked before any process group exists; a
+failure on any rank ends every rank with one line; Ctrl-C is one line and exit code 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LauncherSpec:
+    backend: str
+    """The registered backend this launcher trains with (common.engine.BACKENDS)."""
+    module: str
+    """The launcher's own module name, as it runs (`__spec__.name`): what torchrun relaunches."""
+    default_config: str
+    """The YAML used when no config file is given."""
+    doc: str
+    """The launcher's help text (its module docstring)."""
+    check_config: Callable = lambda engine_config: None
+    """Raises ValueError (or warns) for engine settings this backend does not implement, naming the key."""
+
+
+def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {spec.module}", description=spec.doc.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=spec.doc)
+    parser.add_argument("items", nargs="*", help="YAML config files and key=value overrides")
+    parser.add_argument("--nproc", type=int, default=1, help="processes to launch when not under torchrun")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
+    parser.add_argument("--dry-run", action="store_true", help="check config, model and rollouts; do not train")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    # Intermixed: flags may come after overrides (`cfg.yaml lr=1 --resume x=2`).
+    return parser.parse_intermixed_args(argv)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
+    """Run this module under torchrun (common.quiet_torchrun) and wait; returns the failed worker's exit
+    code. torchrun dies with this process (and its workers watch this pid); Ctrl-C here is passed on
+    once, so that the workers stop and report where."""
+    from .lifeline import LAUNCHER_PID_ENV, die_with_parent
+
+    # By name, relative to wherever this package lives (vendored copies included).
+    command = [sys.executable, "-m", f"{__package__}.quiet_torchrun", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", module, *argv]
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, **{LAUNCHER_PID_ENV: str(os.getpid())})
+    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own warnings repeat what the workers say
+    # A session of its own: a terminal's Ctrl-C reaches only this process, which forwards it once.
+    child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent())
+    interrupted = False
+    while True:
+        try:
+            code = child.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            child.send_signal(signal.SIGINT)
+    return INTERRUPTED if interrupted else code
+
+
+def _load_config(args, spec: LauncherSpec):
+    """The config, checked as far as it can be without a process group; raises ValueError."""
+    from .atomic_dir import unwritable_reason
+    from .config import load_train_config
+    from .trainer import check_backend
+
+    yamls = [item for item in args.items if "=" not in item]
+    overrides = [item for item in args.items if "=" in item]
+    if args.resume:
+        overrides.append("trainer.resume=true")
+    try:
+        config = load_train_config(yamls or [spec.default_config], overrides)
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from None
+    if args.print_config:
+        return config
+    check_backend(config)
+    if config.backend != spec.backend:
+        raise ValueError(f"backend={config.backend} in the config, but this is the {spec.backend} launcher; run "
+                         f"python -m {spec.module.replace(f'.{spec.backend}.', f'.{config.backend}.')} instead")
+    spec.check_config(config.engine)  # knobs this backend lacks: an error naming the key, or a warning
+    writes_run_dir = not args.dry_run or config.engine.model.path.startswith("embedded:")
+    reason = unwritable_reason(config.trainer.run_dir) if writes_run_dir else None
+    if reason:
+        raise ValueError(f"trainer.run_dir={config.trainer.run_dir} is not writable: {reason}; choose another "
+                         f"trainer.run_dir")
+    return config
+
+
+def _say_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
+    """The whole launcher: parse, check, (re)launch under torchrun, train; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run`: relative paths mean the user's directory
+        os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
+    args = _parse(argv, spec)
+    under_torchrun = "LOCAL_RANK" in os.environ
+    # Config, backend and run_dir are checked before any process starts or joins a group: one line, once.
+    try:
+        config = _load_config(args, spec)
+    except ValueError as err:
+        if os.environ.get("RANK", "0") == "0":
+            _say_error(str(err))
+        return 2
+    if args.print_config:
+        from .config import to_yaml
+
+        print(to_yaml(config))
+        return 0
+    if args.nproc > 1 and not under_torchrun and not args.dry_run:
+        return _relaunch_under_torchrun(args.nproc, _without_nproc(argv), spec.module)
+    return _run(args, config)
+
+
+def _run(args, config) -> int:
+    from .distributed import init_distributed, shutdown
+    from .lifeline import LAUNCHER_PID_ENV, exit_when_gone
+    from .trainer import dry_run, run_training
+
+    if LAUNCHER_PID_ENV in os.environ:
+        exit_when_gone(int(os.environ[LAUNCHER_PID_ENV]))
+    dist = None
+    try:
+        dist = init_distributed()
+        if args.dry_run:
+            dry_run(config, dist)
+        else:
+            run_training(config, dist)
+    except BaseException as err:  # noqa: BLE001 - every failure ends this rank; see _fail
+        return _fail(err, dist)
+    shutdown()
+    return 0
+
+
+def _fail(err: BaseException, dist) -> int:
+    """Report a failure and end this rank at once.
+
+    With several ranks, the others may be waiting in a collective for this one, so it never enters
+    the shutdown barrier: it exits, and torchrun stops the rest. A ValueError or OSError is the
+    user's to fix and usually happens on every rank alike, so rank 0 reports it; another rank waits
+    a moment for rank 0 to do so (torchrun then stops it) and reports it itself only if rank 0 did not.
+    Anything else is a bug: every rank that hits it prints its traceback.
+    """
+    from .trainer import TrainingInterrupted
+
+    world = dist.world_size if dist is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.rank if dist is not None else int(os.environ.get("RANK", "0"))
+    where = f"rank {rank}: " if world > 1 else ""
+    if isinstance(err, (TrainingInterrupted, KeyboardInterrupt)):
+        if rank == 0:
+            message = err.message() if isinstance(err, TrainingInterrupted) else "interrupted before training began"
+            print(message, file=sys.stderr, flush=True)
+        code = INTERRUPTED
+    elif isinstance(err, (ValueError, OSError)):
+        if rank != 0:
+            time.sleep(3.0)
+        _say_error(f"{where if rank != 0 else ''}{err}")
+        code = 2
+    else:
+        traceback.print_exception(err, file=sys.stderr)
+        _say_error(f"{where}{type(err).__name__}: {err}")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if world > 1:
+        os._exit(code)
+    if dist is not None:
+        from .distributed import shutdown
+
+        shutdown()
+    return code
