@@ -11,7 +11,7 @@ case "$command" in
   main)
     tools/setup.sh
     export PATH="$PWD/.venv/bin:$PATH"
-    exec python -m backends.fsdp.train --nproc 2 "trainer.run_dir=outputs/runs/$(date +%Y%m%d-%H%M%S)" "$@"
+    exec python -m critic_adapters.backends.fsdp.train --nproc 2 "trainer.run_dir=outputs/runs/$(date +%Y%m%d-%H%M%S)" "$@"
     ;;
   test)
     tools/setup.sh

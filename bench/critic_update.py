@@ -1,6 +1,6 @@
 """Benchmark one critic update step, and one values pass, four ways, side by side in one process on the same data and weights.
 
-  python -m bench.critic_update [--repeats 3] [--sequences 16] [--out docs/bench.json]
+  python -m critic_adapters.bench.critic_update [--repeats 3] [--sequences 16] [--out docs/bench.json]
   python bench/critic_update.py ...                  (the same, run as a file)
   bazel run //bench:critic_update -- ...             (paths are relative to where you run it)
 
@@ -26,18 +26,24 @@ import tempfile
 import threading
 import time
 
-if __package__ in (None, ""):  # run as a file (python bench/critic_update.py): import from this checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a file (python bench/critic_update.py): use this checkout's package
+    import importlib.util
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.util.spec_from_file_location("critic_adapters", os.path.join(_root, "__init__.py"),
+                                                   submodule_search_locations=[_root])
+    sys.modules["critic_adapters"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["critic_adapters"])
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from common.batching import plan_fixed_size
-from common.engine import RolloutBatch, shift_to_tokens
-from common.loss import loss_normalizer, value_loss
-from common.valuehead import compute_values, load_critic
-from common.valuehead.config import critic_head
-from common.valuehead.trl_compat import require_trl_value_head_class
+from critic_adapters.common.batching import plan_fixed_size
+from critic_adapters.common.engine import RolloutBatch, shift_to_tokens
+from critic_adapters.common.loss import loss_normalizer, value_loss
+from critic_adapters.common.valuehead import compute_values, load_critic
+from critic_adapters.common.valuehead.config import critic_head
+from critic_adapters.common.valuehead.trl_compat import require_trl_value_head_class
 
 # The mid-size Qwen2-layout critic of the issue: hidden 512, 8 layers, vocab 32k.
 MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
@@ -157,9 +163,9 @@ def matmul_peak(repeats: int = 5, size: int = 2048) -> float:
 
 
 def build(workdir: str, sequences: int):
-    from common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
-    from common.distributed import init_distributed
-    from backends.fsdp.engine import FSDPCriticEngine
+    from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+    from critic_adapters.common.distributed import init_distributed
+    from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 
     torch.manual_seed(0)
     causal = AutoModelForCausalLM.from_config(Qwen2Config(**MODEL))

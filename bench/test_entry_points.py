@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import run_pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,7 +26,7 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
 
 
 def test_runs_as_a_module(tmp_path):
-    result = _run([sys.executable, "-m", "bench.critic_update", "--help"], cwd=tmp_path,
+    result = _run([sys.executable, "-m", "critic_adapters.bench.critic_update", "--help"], cwd=tmp_path,
                   PYTHONPATH=os.path.dirname(HERE))
     assert result.returncode == 0, result.stderr[-2000:]
 

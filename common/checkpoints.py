@@ -20,8 +20,8 @@ import re
 import shutil
 from collections.abc import Iterable
 
-from common.atomic_dir import commit_staging_dir, make_staging_dir
-from common.distributed import all_reduce, barrier, broadcast_object
+from .atomic_dir import commit_staging_dir, make_staging_dir
+from .distributed import all_reduce, barrier, broadcast_object
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from common.loss import AGG_MODES
+from .loss import AGG_MODES
 
 DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("none", "bf16")

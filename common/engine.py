@@ -37,8 +37,8 @@ from typing import Protocol
 
 import torch
 
-from common.config import EngineConfig
-from common.distributed import DistContext, all_reduce
+from .config import EngineConfig
+from .distributed import DistContext, all_reduce
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,16 +90,21 @@ class CriticEngine(Protocol):
 
 
 # backend name -> "module:factory"; factory(config, dist) -> CriticEngine.
+# backend name -> "module:factory", the module relative to this package's root (a leading dot), or
+# absolute; factory(config, dist) -> CriticEngine.
 BACKENDS: dict[str, str] = {
-    "fsdp": "backends.fsdp.engine:FSDPCriticEngine",
+    "fsdp": ".backends.fsdp.engine:FSDPCriticEngine",
 }
+# The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
+PACKAGE_ROOT = __package__.rpartition(".")[0]
 
 
 def build_engine(backend: str, config: EngineConfig, dist: DistContext) -> CriticEngine:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(sorted(BACKENDS))}")
     module_name, factory = BACKENDS[backend].split(":")
-    return getattr(importlib.import_module(module_name), factory)(config, dist)
+    module = importlib.import_module(module_name, package=PACKAGE_ROOT or None)
+    return getattr(module, factory)(config, dist)
 
 
 def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,

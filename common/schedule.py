@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from common.config import OptimConfig
+from .config import OptimConfig
 
 
 def lr_multiplier(step: int, config: OptimConfig) -> float:

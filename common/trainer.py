@@ -18,14 +18,14 @@ import shutil
 
 import torch
 
-from common import checkpoints
-from common.config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
-from common.data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
-from common.distributed import DistContext, all_gather_object, barrier, broadcast_object
-from common.engine import BACKENDS, RolloutBatch, build_engine, shift_to_tokens
-from common.loss import explained_variance
-from common.metrics import MetricsLogger, plot_metrics
-from common.run_lock import run_dir_lock
+from . import checkpoints
+from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
+from .data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
+from .distributed import DistContext, all_gather_object, barrier, broadcast_object
+from .engine import BACKENDS, RolloutBatch, build_engine, shift_to_tokens
+from .loss import explained_variance
+from .metrics import MetricsLogger, plot_metrics
+from .run_lock import run_dir_lock
 
 PREPARED = "prepared_rollouts.pt"
 
@@ -52,8 +52,8 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
     """`embedded:<family>` -> a tiny random model written once into run_dir (by rank 0)."""
     if not path.startswith("embedded:"):
         return path
-    from common.atomic_dir import atomic_directory
-    from common.testdata import save_tiny_causal_lm
+    from .atomic_dir import atomic_directory
+    from .testdata import save_tiny_causal_lm
 
     family = path.removeprefix("embedded:")
     target = os.path.join(run_dir, f"embedded-{family}")
@@ -69,7 +69,7 @@ def model_limits(model_path: str, trust_remote_code: bool) -> tuple[int, int | N
     from transformers import AutoConfig
 
     if model_path.startswith("embedded:"):
-        from common.testdata import tiny_config
+        from .testdata import tiny_config
 
         text = tiny_config(model_path.removeprefix("embedded:")).get_text_config()
     else:
@@ -408,7 +408,7 @@ def _progress(total: int, done: int, *, enabled: bool):
 
 def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
     """Check config, model checkpoint and rollouts without building the engine or training."""
-    from common.valuehead.cli import inspect_checkpoint
+    from .valuehead.cli import inspect_checkpoint
 
     say = say if dist.is_main else (lambda *a, **k: None)
     check_backend(config)

@@ -21,10 +21,10 @@ import dataclasses
 
 import torch
 
-from common.config import LossConfig
-from common.distributed import all_reduce
-from common.engine import RolloutBatch
-from common.loss import explained_variance_from_sums, loss_normalizer, value_loss_terms
+from .config import LossConfig
+from .distributed import all_reduce
+from .engine import RolloutBatch
+from .loss import explained_variance_from_sums, loss_normalizer, value_loss_terms
 
 METRICS = ("value_loss", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s", "valid_tokens")
 _SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2")

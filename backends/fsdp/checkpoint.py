@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from common.checkpoints import check_meta, hf_fingerprint, staged_checkpoint, write_meta
+from ...common.checkpoints import check_meta, hf_fingerprint, staged_checkpoint, write_meta
 
 TRAINER_STATE = "trainer_state.pt"
 

@@ -17,19 +17,19 @@ import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from backends.fsdp import checkpoint
-from backends.fsdp.parallelize import parallelize_critic
-from backends.fsdp.sharded_load import load_sharded_critic
-from common import packed_attention
-from common.batching import MicroBatch, count_micro_batches, make_micro_batches
-from common.config import EngineConfig
-from common.distributed import DistContext, all_reduce, barrier
-from common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
-from common.schedule import build_scheduler
-from common.update_step import StepStats, plan_step
-from common.valuehead import save_critic
-from common.valuehead.attention import flash_attention_available
-from common.valuehead.values import compute_values
+from . import checkpoint
+from .parallelize import parallelize_critic
+from .sharded_load import load_sharded_critic
+from ...common import packed_attention
+from ...common.batching import MicroBatch, count_micro_batches, make_micro_batches
+from ...common.config import EngineConfig
+from ...common.distributed import DistContext, all_reduce, barrier
+from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ...common.schedule import build_scheduler
+from ...common.update_step import StepStats, plan_step
+from ...common.valuehead import save_critic
+from ...common.valuehead.attention import flash_attention_available
+from ...common.valuehead.values import compute_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

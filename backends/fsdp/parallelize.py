@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from common.valuehead.config import critic_head
+from ...common.valuehead.config import critic_head
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -19,10 +19,10 @@ import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from common.distributed import broadcast_object
-from common.valuehead import LoadReport, load_critic
-from common.valuehead.config import critic_class
-from common.valuehead.load import plan_load
+from ...common.distributed import broadcast_object
+from ...common.valuehead import LoadReport, load_critic
+from ...common.valuehead.config import critic_class
+from ...common.valuehead.load import plan_load
 
 
 def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | None,

@@ -1,11 +1,11 @@
-"""Train a PPO critic with the FSDP2 engine: python -m backends.fsdp.train [CONFIG.yaml ...] [key=value ...]
+"""Train a PPO critic with the FSDP2 engine: python -m critic_adapters.backends.fsdp.train [CONFIG.yaml ...] [key=value ...]
 
   ./run.sh main                                                   # the embedded default job, 2 processes
-  python -m backends.fsdp.train --nproc 2 backends/fsdp/configs/default.yaml
-  python -m backends.fsdp.train cfg.yaml engine.optim.lr=3e-5 data.train_path=rollouts.parquet
-  torchrun --nproc_per_node 8 -m backends.fsdp.train cfg.yaml    # one node, 8 GPUs
-  python -m backends.fsdp.train cfg.yaml --resume                 # continue from the latest checkpoint
-  python -m backends.fsdp.train cfg.yaml --dry-run                # validate config + data, no training
+  python -m critic_adapters.backends.fsdp.train --nproc 2 backends/fsdp/configs/default.yaml
+  python -m critic_adapters.backends.fsdp.train cfg.yaml engine.optim.lr=3e-5 data.train_path=rollouts.parquet
+  torchrun --nproc_per_node 8 -m critic_adapters.backends.fsdp.train cfg.yaml    # one node, 8 GPUs
+  python -m critic_adapters.backends.fsdp.train cfg.yaml --resume                 # continue from the latest checkpoint
+  python -m critic_adapters.backends.fsdp.train cfg.yaml --dry-run                # validate config + data, no training
 
 Without torchrun, --nproc N > 1 relaunches itself under torchrun (gloo on CPU, nccl on GPU).
 Keys: see common/config.py (every field has a docstring) or --print-config. The launcher itself is
@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
-from common.config import EngineConfig
-from common.launcher import LauncherSpec, launch
+from ...common.config import EngineConfig
+from ...common.launcher import LauncherSpec, launch
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml")
 

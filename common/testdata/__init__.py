@@ -55,7 +55,7 @@ def tiny_causal_lm(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def save_tiny_causal_lm(family: str, out_dir: str, seed: int = 0) -> str:
-    from common.valuehead._quiet import quiet_transformers
+    from ..valuehead._quiet import quiet_transformers
 
     with quiet_transformers():
         tiny_causal_lm(family, seed).save_pretrained(out_dir)

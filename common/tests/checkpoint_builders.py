@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-from common.testdata import tiny_causal_lm, tiny_config
-from common.valuehead._quiet import quiet_transformers
-from common.valuehead.trl_compat import trl_value_head_class
+from critic_adapters.common.testdata import tiny_causal_lm, tiny_config
+from critic_adapters.common.valuehead._quiet import quiet_transformers
+from critic_adapters.common.valuehead.trl_compat import trl_value_head_class
 
 VOCAB = 1000
 

@@ -47,7 +47,8 @@ def run_pytest(file: str) -> None:
     """Entry point for Bazel py_test: run this file's tests with pytest and exit with its status."""
     import pytest
 
-    sys.exit(pytest.main([file, "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+    # importlib mode: the test file is imported by path, its imports go through the package name.
+    sys.exit(pytest.main([file, "-q", "-p", "no:cacheprovider", "--import-mode=importlib", *sys.argv[1:]]))
 
 
 @contextlib.contextmanager

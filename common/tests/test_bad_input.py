@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import run_pytest
-from common.valuehead import CriticLoadError, load_critic
-from common.valuehead.cli import main as cli
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import CriticLoadError, load_critic
+from critic_adapters.common.valuehead.cli import main as cli
 
 
 def _edit_config(path, **updates):

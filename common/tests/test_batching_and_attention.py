@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import packed_attention
-from common.batching import make_micro_batches, plan_fixed_size, plan_token_budget
-from common.tests.helpers import run_pytest
+from critic_adapters.common import packed_attention
+from critic_adapters.common.batching import make_micro_batches, plan_fixed_size, plan_token_budget
+from critic_adapters.common.tests.helpers import run_pytest
 
 
 def test_token_budget_balances_by_tokens_not_rows():

@@ -1,4 +1,4 @@
-"""python -m common.valuehead: inspect, convert, values, demo."""
+"""python -m critic_adapters.common.valuehead: inspect, convert, values, demo."""
 
 import json
 import os
@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
-from common.valuehead import compute_values, load_critic
-from common.valuehead.cli import main as cli
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic
+from critic_adapters.common.valuehead.cli import main as cli
 
 
 def test_inspect_reports_format_head_and_what_is_initialised(tmp_path, capsys):
@@ -91,11 +91,11 @@ def test_every_format_converts_to_a_directory_both_loaders_read(tmp_path, fmt, c
 
 def test_module_entry_point_prints_values(tmp_path):
     path, _ = build.causal_lm(str(tmp_path))
-    result = subprocess.run([sys.executable, "-m", "common.valuehead", "values", path, "--tokens", "5 6 7"],
+    result = subprocess.run([sys.executable, "-m", "critic_adapters.common.valuehead", "values", path, "--tokens", "5 6 7"],
                             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert result.returncode == 0, result.stderr
     assert "values  [" in result.stdout and "(shape [1, 3], torch.float32)" in result.stdout
-    bad = subprocess.run([sys.executable, "-m", "common.valuehead", "values", path, "--tokens", "5 99999"],
+    bad = subprocess.run([sys.executable, "-m", "critic_adapters.common.valuehead", "values", path, "--tokens", "5 99999"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert bad.returncode == 2 and "--tokens must be ids in [0, 1000)" in bad.stderr
 

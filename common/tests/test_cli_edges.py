@@ -1,4 +1,4 @@
-"""Edges of python -m common.valuehead and load_critic: refused destinations are left untouched and
+"""Edges of python -m critic_adapters.common.valuehead and load_critic: refused destinations are left untouched and
 checked before any model is loaded; corrupt weights are named; values for a whole rollout file."""
 
 import json
@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from common.data import make_default_records
-from common.engine import shift_to_tokens
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import read_only_dir, run_pytest, tree_snapshot
-from common.valuehead import CriticLoadError, load_critic
-from common.valuehead import cli as cli_module
-from common.valuehead.cli import main as cli
-from common.valuehead.values import compute_values
+from critic_adapters.common.data import make_default_records
+from critic_adapters.common.engine import shift_to_tokens
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import read_only_dir, run_pytest, tree_snapshot
+from critic_adapters.common.valuehead import CriticLoadError, load_critic
+from critic_adapters.common.valuehead import cli as cli_module
+from critic_adapters.common.valuehead.cli import main as cli
+from critic_adapters.common.valuehead.values import compute_values
 
 
 def test_demo_onto_a_non_empty_directory_is_refused(tmp_path, capsys):

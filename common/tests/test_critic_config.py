@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, PretrainedConfig
 
-from common.testdata import FAMILIES, tiny_config
-from common.tests.helpers import run_pytest
-from common.valuehead import critic_config
-from common.valuehead.config import GENERIC_ARCHITECTURE, critic_class, critic_head
+from critic_adapters.common.testdata import FAMILIES, tiny_config
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import critic_config
+from critic_adapters.common.valuehead.config import GENERIC_ARCHITECTURE, critic_class, critic_head
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,7 +57,7 @@ def test_no_critic_form_is_a_clear_value_error():
 def test_configs_are_found_through_runfiles_under_bazel():
     import os
 
-    from common.testdata import data_path
+    from critic_adapters.common.testdata import data_path
 
     path = data_path("configs/qwen2.json")
     assert os.path.isfile(path)

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from common.config import OptimConfig, flat_keys, load_train_config, TrainConfig
-from common.data import gae_returns, load_rollouts, make_default_records, validate_records
-from common.schedule import lr_multiplier
-from common.tests.helpers import run_pytest
+from critic_adapters.common.config import OptimConfig, flat_keys, load_train_config, TrainConfig
+from critic_adapters.common.data import gae_returns, load_rollouts, make_default_records, validate_records
+from critic_adapters.common.schedule import lr_multiplier
+from critic_adapters.common.tests.helpers import run_pytest
 
 
 def test_gae_matches_hand_computation():

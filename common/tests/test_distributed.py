@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import distributed
-from common.tests.helpers import run_pytest
+from critic_adapters.common import distributed
+from critic_adapters.common.tests.helpers import run_pytest
 
 
 @pytest.fixture

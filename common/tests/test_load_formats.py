@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest, vocab_projection_watch
-from common.valuehead import compute_values, load_critic
-from common.valuehead.config import critic_head
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest, vocab_projection_watch
+from critic_adapters.common.valuehead import compute_values, load_critic
+from critic_adapters.common.valuehead.config import critic_head
 
 ATOL = 2e-5
 

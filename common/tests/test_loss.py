@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from common.loss import AGG_MODES, explained_variance, loss_normalizer, value_loss
-from common.tests.helpers import run_pytest
+from critic_adapters.common.loss import AGG_MODES, explained_variance, loss_normalizer, value_loss
+from critic_adapters.common.tests.helpers import run_pytest
 
 # Two sequences; row 0 has 3 valid tokens, row 1 has 1 (and a masked position holding garbage).
 VALUES = torch.tensor([[1.0, 2.0, 0.0, 5.0], [0.5, 9.0, 9.0, 9.0]])

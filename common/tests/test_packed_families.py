@@ -9,11 +9,11 @@ mrope VLMs) and those with attention quirks (gemma2's logit soft-capping, slidin
 import pytest
 import torch
 
-from common.batching import make_micro_batches
-from common.packed_attention import ATTENTION_NAME, register
-from common.testdata import FAMILIES, save_tiny_causal_lm
-from common.tests.helpers import run_pytest
-from common.valuehead import compute_values, load_critic
+from critic_adapters.common.batching import make_micro_batches
+from critic_adapters.common.packed_attention import ATTENTION_NAME, register
+from critic_adapters.common.testdata import FAMILIES, save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 LENGTHS = [7, 12, 3, 9]  # several sequences in one packed row; the 12 is not first on purpose
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
-from common.valuehead import compute_values, load_critic, save_critic
-from common.valuehead.config import GENERIC_ARCHITECTURE
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic, save_critic
+from critic_adapters.common.valuehead.config import GENERIC_ARCHITECTURE
 
 
 @pytest.mark.parametrize("builder", [build.trl_value_head, build.openrlhf, build.megatron_export])

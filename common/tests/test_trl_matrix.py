@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import padded_batch, run_pytest
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import padded_batch, run_pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 OVERLAYS = os.environ.get("CRITIC_TRL_OVERLAYS", os.path.join(REPO, ".overlays"))
@@ -57,7 +57,7 @@ def test_environment(fixtures, name, overlay, expect, extra):
         path.insert(0, overlay_dir)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), TRL_EXPERIMENTAL_SILENCE="1")
     result = subprocess.run(
-        [sys.executable, "-m", "common.tests.trl_env_check", "--fixtures", fixtures, "--expect", expect, *extra],
+        [sys.executable, "-m", "critic_adapters.common.tests.trl_env_check", "--fixtures", fixtures, "--expect", expect, *extra],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr[-3000:]}"
@@ -68,7 +68,7 @@ def test_shim_falls_back_to_top_level_trl(monkeypatch):
     """A trl with the class only at top level (trl < 0.26) is found through the fallback."""
     import types
 
-    from common.valuehead.trl_compat import trl_value_head_class
+    from critic_adapters.common.valuehead.trl_compat import trl_value_head_class
 
     fake_trl = types.ModuleType("trl")
     fake_trl.AutoModelForCausalLMWithValueHead = type("AutoModelForCausalLMWithValueHead", (), {})

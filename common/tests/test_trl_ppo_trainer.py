@@ -22,9 +22,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-from common.testdata import save_tiny_causal_lm, tiny_causal_lm, tiny_config
-from common.tests.helpers import VOCAB, assert_close_on_mask, padded_batch, run_pytest
-from common.valuehead import compute_values, load_critic
+from critic_adapters.common.testdata import save_tiny_causal_lm, tiny_causal_lm, tiny_config
+from critic_adapters.common.tests.helpers import VOCAB, assert_close_on_mask, padded_batch, run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # trl.experimental warns on every import

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import run_pytest
-from common.valuehead import compute_values, load_critic, select_attn_implementation
-from common.valuehead import attention
-from common.valuehead.config import critic_class, critic_config
-from common.testdata import tiny_config
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic, select_attn_implementation
+from critic_adapters.common.valuehead import attention
+from critic_adapters.common.valuehead.config import critic_class, critic_config
+from critic_adapters.common.testdata import tiny_config
 
 
 @pytest.fixture(scope="module")

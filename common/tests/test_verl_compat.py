@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from common.tests import checkpoint_builders as build
-from common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
-from common.valuehead import load_valuehead_model
-from common.valuehead.attention import flash_attention_available
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest
+from critic_adapters.common.valuehead import load_valuehead_model
+from critic_adapters.common.valuehead.attention import flash_attention_available
 
 
 def _verl_style_config(path):
@@ -39,7 +39,7 @@ def test_trl_checkpoint_on_cpu_without_flash_attention(tmp_path):
 VERL_CRITIC_BUILD = textwrap.dedent("""
     import sys, torch
     from transformers import AutoConfig
-    from common.valuehead import load_valuehead_model
+    from critic_adapters.common.valuehead import load_valuehead_model
     path = sys.argv[1]
     config = AutoConfig.from_pretrained(path, attn_implementation="flash_attention_2")
     config.num_labels = 1

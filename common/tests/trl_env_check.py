@@ -1,6 +1,6 @@
 """Run inside one trl environment of the matrix (see test_trl_matrix.py); exits non-zero on failure.
 
-  python -m common.tests.trl_env_check --fixtures DIR --expect {class,none} [--trl-version V] [--block trl|trl.experimental.ppo]
+  python -m critic_adapters.common.tests.trl_env_check --fixtures DIR --expect {class,none} [--trl-version V] [--block trl|trl.experimental.ppo]
 
 --block makes the named module unimportable first (no trl at all, or a trl without the
 experimental location), before anything else is imported.
@@ -38,8 +38,8 @@ def main():
 
     import torch
 
-    from common.valuehead import compute_values, load_critic
-    from common.valuehead.trl_compat import installed_trl_version, require_trl_value_head_class, trl_value_head_class
+    from critic_adapters.common.valuehead import compute_values, load_critic
+    from critic_adapters.common.valuehead.trl_compat import installed_trl_version, require_trl_value_head_class, trl_value_head_class
 
     if args.trl_version:
         assert installed_trl_version() == args.trl_version, (installed_trl_version(), args.trl_version)
@@ -73,7 +73,7 @@ def main():
 
     if cls is not None:
         # And checkpoints written by *this* trl's own save_pretrained, against this trl's own values.
-        from common.testdata import tiny_causal_lm
+        from critic_adapters.common.testdata import tiny_causal_lm
 
         wrapper = cls.from_pretrained(tiny_causal_lm("qwen2", seed=3), summary_dropout_prob=0.0).eval()
         with tempfile.TemporaryDirectory() as tmp:

@@ -3,17 +3,17 @@
 Public API (a contract other code and users rely on):
   load_critic, LoadReport, compute_values, save_critic, critic_config, trl_value_head_class,
   load_valuehead_model, select_attn_implementation, CriticLoadError.
-CLI: python -m common.valuehead {inspect,convert,values} ...
+CLI: python -m critic_adapters.common.valuehead {inspect,convert,values} ...
 """
 
-from common.valuehead.attention import select_attn_implementation
-from common.valuehead.config import critic_config
-from common.valuehead.errors import CriticLoadError
-from common.valuehead.load import LoadReport, load_critic
-from common.valuehead.save import save_critic
-from common.valuehead.trl_compat import trl_value_head_class
-from common.valuehead.values import compute_values
-from common.valuehead.verl_compat import load_valuehead_model
+from .attention import select_attn_implementation
+from .config import critic_config
+from .errors import CriticLoadError
+from .load import LoadReport, load_critic
+from .save import save_critic
+from .trl_compat import trl_value_head_class
+from .values import compute_values
+from .verl_compat import load_valuehead_model
 
 __all__ = [
     "CriticLoadError",

@@ -1,7 +1,7 @@
-"""python -m common.valuehead ...: see common/valuehead/cli.py."""
+"""python -m critic_adapters.common.valuehead ...: see common/valuehead/cli.py."""
 
 import sys
 
-from common.valuehead.cli import main
+from .cli import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from common.valuehead.errors import CriticLoadError
+from .errors import CriticLoadError
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

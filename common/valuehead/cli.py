@@ -1,10 +1,10 @@
 """Command line: inspect a critic checkpoint, convert it to HF TokenClassification, print values.
 
-  python -m common.valuehead inspect PATH [--json]
-  python -m common.valuehead convert SRC DST [--dtype bfloat16] [--fresh-head] [--head-prefix P]
-  python -m common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
-  python -m common.valuehead values PATH --rollouts FILE --out values.parquet   # a whole rollout file
-  python -m common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
+  python -m critic_adapters.common.valuehead inspect PATH [--json]
+  python -m critic_adapters.common.valuehead convert SRC DST [--dtype bfloat16] [--fresh-head] [--head-prefix P]
+  python -m critic_adapters.common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
+  python -m critic_adapters.common.valuehead values PATH --rollouts FILE --out values.parquet   # a whole rollout file
+  python -m critic_adapters.common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from common.valuehead.config import critic_class, text_hidden_size
-from common.valuehead.errors import CriticLoadError
-from common.valuehead.load import load_critic, plan_load
+from .config import critic_class, text_hidden_size
+from .errors import CriticLoadError
+from .load import load_critic, plan_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +64,7 @@ def _print_inspection(info: dict) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m common.valuehead", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m critic_adapters.common.valuehead", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     def load_options(p):
@@ -107,7 +107,7 @@ def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> No
             raise CriticLoadError(f"--tokens must be ids in [0, {vocab}); got {tokens!r}")
     else:
         ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(seed))
-    from common.valuehead.values import compute_values
+    from .values import compute_values
 
     with torch.no_grad():
         values = compute_values(model, ids, torch.ones_like(ids))
@@ -125,7 +125,7 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def _refuse_unwritable(path: str, what: str) -> None:
-    from common.atomic_dir import unwritable_reason
+    from ..atomic_dir import unwritable_reason
 
     reason = unwritable_reason(os.path.dirname(os.path.abspath(path)) if what == "file" else path)
     if reason:
@@ -142,9 +142,9 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from common.data import read_records, validate_records
-    from common.engine import shift_to_tokens
-    from common.valuehead.values import compute_values
+    from ..data import read_records, validate_records
+    from ..engine import shift_to_tokens
+    from .values import compute_values
 
     if not out.endswith(".parquet"):
         raise CriticLoadError(f"--out {out}: write a .parquet file")
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             info = inspect_checkpoint(args.path, head_prefix=args.head_prefix, trust_remote_code=args.trust_remote_code)
             print(json.dumps(info, indent=2)) if args.json else _print_inspection(info)
         elif args.command == "convert":
-            from common.atomic_dir import is_nonempty_dir
-            from common.valuehead.save import save_critic
+            from ..atomic_dir import is_nonempty_dir
+            from .save import save_critic
 
             if is_nonempty_dir(args.dst) or (os.path.exists(args.dst) and not os.path.isdir(args.dst)):
                 raise CriticLoadError(f"{args.dst} already exists and is not empty; convert writes a new directory")
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _print_values(args.path, args.tokens, args.seed, **load_kwargs)
         elif args.command == "demo":
-            from common.atomic_dir import is_nonempty_dir
-            from common.testdata import save_tiny_causal_lm
+            from ..atomic_dir import is_nonempty_dir
+            from ..testdata import save_tiny_causal_lm
 
             if is_nonempty_dir(args.out_dir) or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):
                 raise CriticLoadError(f"{args.out_dir} already exists and is not empty; demo writes a new directory")

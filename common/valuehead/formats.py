@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from common.valuehead.checkpoint_files import CheckpointIndex
-from common.valuehead.config import GENERIC_ARCHITECTURE
-from common.valuehead.errors import CriticLoadError
+from .checkpoint_files import CheckpointIndex
+from .config import GENERIC_ARCHITECTURE
+from .errors import CriticLoadError
 
 # verl's patched trl wrapper saves nn.Module.state_dict(): the backbone under this prefix.
 TRL_WRAPPER_PREFIX = "pretrained_model."

@@ -15,12 +15,12 @@ import os
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
-from common.valuehead._quiet import quiet_transformers
-from common.valuehead.attention import select_attn_implementation
-from common.valuehead.checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
-from common.valuehead.config import critic_class, critic_config, critic_head, head_name, text_hidden_size
-from common.valuehead.errors import CriticLoadError
-from common.valuehead.formats import Detection, detect_format
+from ._quiet import quiet_transformers
+from .attention import select_attn_implementation
+from .checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
+from .config import critic_class, critic_config, critic_head, head_name, text_hidden_size
+from .errors import CriticLoadError
+from .formats import Detection, detect_format
 
 
 @dataclasses.dataclass(slots=True)

@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from common.atomic_dir import atomic_directory
-from common.valuehead._quiet import quiet_transformers
-from common.valuehead.config import architecture_name, critic_config, critic_head, head_name
+from ..atomic_dir import atomic_directory
+from ._quiet import quiet_transformers
+from .config import architecture_name, critic_config, critic_head, head_name
 
 
 def save_critic(

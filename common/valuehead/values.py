@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.packed_attention import sequence_bounds
+from ..packed_attention import sequence_bounds
 
 
 def is_packed(position_ids: torch.Tensor) -> bool:

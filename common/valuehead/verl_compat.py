@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from common.valuehead.load import load_critic
+from .load import load_critic
 
 
 def load_valuehead_model(

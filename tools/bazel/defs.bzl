@@ -1,7 +1,8 @@
 """critic_test: one py_test per test file, run through pytest, tagged by what hardware it needs.
 
 Every test file ends with `run_pytest(__file__)` (common/tests/helpers.py), so a test is just the
-file as `main`. `multiprocess` tests launch torchrun themselves: they are `large`, exclusive (they
+file as `main`; test files import the package by name (critic_adapters.*), which the runfiles tree
+provides (the workspace is named critic_adapters and its root holds __init__.py). `multiprocess` tests launch torchrun themselves: they are `large`, exclusive (they
 use both cores) and tagged so a suite can pick them.
 """
 
@@ -15,11 +16,31 @@ def critic_test(name, src = None, deps = [], data = [], size = "medium", multipr
         name = name,
         srcs = [src],
         main = src,
-        deps = deps,
+        deps = deps + ["//:package"],
         data = data,
         size = size,
         python_version = "PY3",
         srcs_version = "PY3",
         tags = tags + extra_tags,
+        **kwargs
+    )
+
+
+def critic_module_binary(name, module, deps = [], **kwargs):
+    """A py_binary that runs `python -m <module>`. The repo's modules use relative imports, so their
+    files cannot be a py_binary's main script themselves: a generated two-line main runs the module
+    by its package name instead (as `bazel run`, or the binary's launcher run directly)."""
+    main = name + "_main.py"
+    native.genrule(
+        name = name + "_main",
+        outs = [main],
+        cmd = "printf 'import runpy\\nrunpy.run_module(\"%s\", run_name=\"__main__\", alter_sys=True)\\n' > $@" % module,
+    )
+    native.py_binary(
+        name = name,
+        srcs = [main],
+        main = main,
+        python_version = "PY3",
+        deps = deps + ["//:package"],
         **kwargs
     )

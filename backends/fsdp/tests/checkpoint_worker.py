@@ -1,8 +1,8 @@
 """Torchrun worker for test_checkpoints: save on one world size, load on another, export to HF.
 
-  python -m backends.fsdp.tests.checkpoint_worker train-save   MODEL_DIR BATCH.pt WORKDIR
-  python -m backends.fsdp.tests.checkpoint_worker load-continue MODEL_DIR BATCH.pt WORKDIR
-  python -m backends.fsdp.tests.checkpoint_worker load-other   OTHER_MODEL_DIR BATCH.pt WORKDIR
+  python -m critic_adapters.backends.fsdp.tests.checkpoint_worker train-save   MODEL_DIR BATCH.pt WORKDIR
+  python -m critic_adapters.backends.fsdp.tests.checkpoint_worker load-continue MODEL_DIR BATCH.pt WORKDIR
+  python -m critic_adapters.backends.fsdp.tests.checkpoint_worker load-other   OTHER_MODEL_DIR BATCH.pt WORKDIR
 Rank 0 writes the values it sees to WORKDIR/<mode>-world<N>.pt.
 """
 
@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.worker_common import gather_rows, rank_share
-from common.config import EngineConfig, ModelConfig, OptimConfig
-from common.distributed import init_distributed, shutdown
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.backends.fsdp.tests.worker_common import gather_rows, rank_share
+from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import init_distributed, shutdown
 
 
 def main():

@@ -1,11 +1,11 @@
 """Torchrun worker for test_engine_contract.
 
-  python -m backends.fsdp.tests.contract_worker train  RUN_DIR BACKEND [key=value ...]
+  python -m critic_adapters.backends.fsdp.tests.contract_worker train  RUN_DIR BACKEND [key=value ...]
       run the training job; BACKEND `one_dp_rank` makes every process the same single DP rank
       (what tensor-parallel peers are to the trainer)
-  python -m backends.fsdp.tests.contract_worker save-fails MODEL_DIR WORKDIR
+  python -m critic_adapters.backends.fsdp.tests.contract_worker save-fails MODEL_DIR WORKDIR
       a checkpoint save that fails on rank 0 only: every rank must raise, the old checkpoint stays
-  python -m backends.fsdp.tests.contract_worker sharded-load MODEL_DIR WORKDIR
+  python -m critic_adapters.backends.fsdp.tests.contract_worker sharded-load MODEL_DIR WORKDIR
       rank 1's added peak memory while the engine is built, and the engine's values
 """
 
@@ -18,13 +18,13 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 
-from backends.fsdp import checkpoint as fsdp_checkpoint
-from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.worker_common import gather_rows
-from common import engine as engine_registry
-from common.config import EngineConfig, ModelConfig, OptimConfig, load_train_config
-from common.distributed import init_distributed, shutdown
-from common.engine import RolloutBatch
+from critic_adapters.backends.fsdp import checkpoint as fsdp_checkpoint
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.backends.fsdp.tests.worker_common import gather_rows
+from critic_adapters.common import engine as engine_registry
+from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig, load_train_config
+from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine import RolloutBatch
 
 
 def one_dp_rank(config, dist):
@@ -36,7 +36,7 @@ def one_dp_rank(config, dist):
 
 def train(run_dir, backend, overrides):
     engine_registry.BACKENDS["one_dp_rank"] = f"{__name__}:one_dp_rank"
-    from common.trainer import run_training
+    from critic_adapters.common.trainer import run_training
 
     config = load_train_config([], [f"trainer.run_dir={run_dir}", f"backend={backend}", *overrides])
     dist = init_distributed()

@@ -3,8 +3,8 @@ its second update (the test's stand-in for any bug or crash on one rank)."""
 
 import sys
 
-from backends.fsdp import engine as fsdp_engine
-from backends.fsdp import train
+from critic_adapters.backends.fsdp import engine as fsdp_engine
+from critic_adapters.backends.fsdp import train
 
 _update = fsdp_engine.FSDPCriticEngine.update
 

@@ -3,18 +3,18 @@
 Every rank must raise the same ValueError before any collective of the step, leaving weights and
 optimizer state as they were, and the process group usable for the next (clean) step.
 
-  python -m backends.fsdp.tests.input_check_worker MODEL_DIR OUT.pt
+  python -m critic_adapters.backends.fsdp.tests.input_check_worker MODEL_DIR OUT.pt
 """
 
 import sys
 
 import torch
 
-from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.worker_common import full
-from common.config import EngineConfig, ModelConfig, OptimConfig
-from common.distributed import all_reduce, init_distributed, shutdown
-from common.engine import RolloutBatch
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.backends.fsdp.tests.worker_common import full
+from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import all_reduce, init_distributed, shutdown
+from critic_adapters.common.engine import RolloutBatch
 
 
 def batch(rank: int, poison: bool) -> RolloutBatch:

@@ -25,6 +25,6 @@ def run_torchrun(nproc: int, module: str, *args: str, timeout: int = 600) -> sub
 
 
 def run_launcher(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """python -m backends.fsdp.train ARGS (it relaunches itself under torchrun for --nproc > 1)."""
-    return subprocess.run([sys.executable, "-m", "backends.fsdp.train", *args], env=launcher_env(),
+    """python -m critic_adapters.backends.fsdp.train ARGS (it relaunches itself under torchrun for --nproc > 1)."""
+    return subprocess.run([sys.executable, "-m", "critic_adapters.backends.fsdp.train", *args], env=launcher_env(),
                           capture_output=True, text=True, timeout=timeout)

@@ -1,6 +1,6 @@
 """Torchrun worker for test_precision_options: bf16 mixed precision + activation checkpointing.
 
-  python -m backends.fsdp.tests.options_worker MODEL_DIR BATCH.pt OUT.pt
+  python -m critic_adapters.backends.fsdp.tests.options_worker MODEL_DIR BATCH.pt OUT.pt
 """
 
 import sys
@@ -8,11 +8,11 @@ import warnings
 
 import torch
 
-from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.worker_common import gather_rows, rank_share
-from common.config import EngineConfig, ModelConfig, OptimConfig
-from common.distributed import init_distributed, shutdown
-from common.valuehead.config import critic_head
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.backends.fsdp.tests.worker_common import gather_rows, rank_share
+from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.valuehead.config import critic_head
 
 
 def main():

@@ -1,7 +1,7 @@
 """Torchrun worker for test_engine_parity: the engine's values, loss and full gradients on a fixed
 batch, for several batching variants, written by rank 0 to OUT.
 
-  python -m backends.fsdp.tests.parity_worker MODEL_DIR BATCH.pt OUT.pt
+  python -m critic_adapters.backends.fsdp.tests.parity_worker MODEL_DIR BATCH.pt OUT.pt
 """
 
 import sys
@@ -9,10 +9,10 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.worker_common import full, gather_rows, rank_share
-from common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
-from common.distributed import all_reduce, init_distributed, shutdown
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.backends.fsdp.tests.worker_common import full, gather_rows, rank_share
+from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import all_reduce, init_distributed, shutdown
 
 # name -> (batching, agg_mode); budgets small enough to force several micro-batches.
 VARIANTS = {

@@ -1,9 +1,9 @@
 """Which attention the FSDP engine asks for: flash varlen when it can run, else per-sequence sdpa."""
 
-from backends.fsdp import engine
-from common import packed_attention
-from common.config import BatchingConfig, EngineConfig, ModelConfig
-from common.tests.helpers import run_pytest
+from critic_adapters.backends.fsdp import engine
+from critic_adapters.common import packed_attention
+from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig
+from critic_adapters.common.tests.helpers import run_pytest
 
 
 def config(packing=True, attn=None):

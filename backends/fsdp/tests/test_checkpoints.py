@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from backends.fsdp.tests.launch import run_torchrun
-from backends.fsdp.tests.test_engine_parity import make_batch
-from common.testdata import save_tiny_causal_lm
-from common.tests.helpers import run_pytest
+from critic_adapters.backends.fsdp.tests.launch import run_torchrun
+from critic_adapters.backends.fsdp.tests.test_engine_parity import make_batch
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
 
-WORKER = "backends.fsdp.tests.checkpoint_worker"
+WORKER = "critic_adapters.backends.fsdp.tests.checkpoint_worker"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_checkpoint_of_another_model_is_refused(inputs):
 
 def test_interrupted_save_keeps_the_previous_checkpoint(inputs):
     """A staging directory left by a killed save is never mistaken for a checkpoint."""
-    from common import checkpoints
+    from critic_adapters.common import checkpoints
 
     root, model_dir, _ = inputs
     ckpts = root / "interrupted" / "checkpoints"

@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, Qwen2Config
 
-from backends.fsdp.engine import FSDPCriticEngine
-from backends.fsdp.tests.launch import run_torchrun
-from common.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
-from common.distributed import init_distributed
-from common.engine import RolloutBatch, build_engine
-from common.metrics import read_metrics
-from common.testdata import save_tiny_causal_lm
-from common.tests.helpers import run_pytest
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.backends.fsdp.tests.launch import run_torchrun
+from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.engine import RolloutBatch, build_engine
+from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
 
-WORKER = "backends.fsdp.tests.contract_worker"
+WORKER = "critic_adapters.backends.fsdp.tests.contract_worker"
 SMALL_JOB = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1", "trainer.export_hf=false",
              "trainer.plot=false", "trainer.tensorboard=false", "trainer.progress=false",
              "engine.batching.micro_batch_tokens=256"]

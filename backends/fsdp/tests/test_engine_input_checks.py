@@ -4,13 +4,13 @@ outside the vocabulary, and non-finite returns in one rank's share of a 2-rank s
 import pytest
 import torch
 
-from backends.fsdp.engine import FSDPCriticEngine
-from common.config import EngineConfig, ModelConfig
-from common.distributed import init_distributed
-from common.engine import RolloutBatch
-from common.testdata import save_tiny_causal_lm
-from common.tests.helpers import run_pytest
-from backends.fsdp.tests.launch import run_torchrun
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.common.config import EngineConfig, ModelConfig
+from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.engine import RolloutBatch
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.backends.fsdp.tests.launch import run_torchrun
 
 
 def test_ids_outside_the_vocabulary(tmp_path):
@@ -34,7 +34,7 @@ def test_nan_returns_on_one_rank_raise_on_every_rank(tmp_path):
     # Before: the rank with the NaN raised inside its loss, the other entered backward's collectives
     # and gloo aborted the whole job.
     out = tmp_path / "result.pt"
-    run_torchrun(2, "backends.fsdp.tests.input_check_worker", save_tiny_causal_lm("qwen2", str(tmp_path / "m")),
+    run_torchrun(2, "critic_adapters.backends.fsdp.tests.input_check_worker", save_tiny_causal_lm("qwen2", str(tmp_path / "m")),
                  str(out), timeout=300)
     results = torch.load(out)
     assert [r["raised_on"] for r in results] == [2.0, 2.0]

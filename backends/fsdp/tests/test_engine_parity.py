@@ -4,12 +4,12 @@ padded, token-budget or fixed-size micro-batches."""
 import pytest
 import torch
 
-from backends.fsdp.tests.launch import run_torchrun
-from common.engine import shift_to_tokens
-from common.loss import value_loss
-from common.testdata import save_tiny_causal_lm
-from common.tests.helpers import run_pytest
-from common.valuehead import compute_values, load_critic
+from critic_adapters.backends.fsdp.tests.launch import run_torchrun
+from critic_adapters.common.engine import shift_to_tokens
+from critic_adapters.common.loss import value_loss
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 ATOL = 1e-5
 
@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
     runs = {}
     for world in (1, 2):
         out = root / f"world{world}.pt"
-        run_torchrun(world, "backends.fsdp.tests.parity_worker", model_dir, str(root / "batch.pt"), str(out))
+        run_torchrun(world, "critic_adapters.backends.fsdp.tests.parity_worker", model_dir, str(root / "batch.pt"), str(out))
         runs[world] = torch.load(out)
     return model_dir, data, runs
 

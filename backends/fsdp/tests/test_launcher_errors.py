@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from backends.fsdp.tests.launch import run_launcher
-from common.data import make_default_records
-from common.tests.helpers import run_pytest
+from critic_adapters.backends.fsdp.tests.launch import run_launcher
+from critic_adapters.common.data import make_default_records
+from critic_adapters.common.tests.helpers import run_pytest
 
 
 def write_jsonl(path, records):
@@ -69,7 +69,7 @@ def test_resume_without_a_checkpoint(tmp_path):
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
-    from common import checkpoints
+    from critic_adapters.common import checkpoints
 
     step = tmp_path / "checkpoints" / "step_000010"
     step.mkdir(parents=True)

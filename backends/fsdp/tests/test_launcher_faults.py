@@ -12,11 +12,11 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from backends.fsdp.tests.launch import launcher_env, run_launcher
-from common.data import make_default_records
-from common.metrics import read_metrics
-from common.testdata import save_tiny_causal_lm
-from common.tests.helpers import run_pytest, tree_snapshot
+from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher
+from critic_adapters.common.data import make_default_records
+from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest, tree_snapshot
 
 FAST = ["data.num_rollouts=64", "data.mini_batch_size=16", "trainer.epochs=1", "trainer.tensorboard=false",
         "trainer.plot=false", "trainer.progress=false", "trainer.export_hf=false"]
@@ -53,7 +53,7 @@ def test_resume_refuses_changed_settings_and_applies_changeable_ones(tmp_path):
 
 def test_a_second_run_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
     env = dict(launcher_env(), PYTHONUNBUFFERED="1")
-    first = subprocess.Popen([sys.executable, "-m", "backends.fsdp.train", f"trainer.run_dir={tmp_path}",
+    first = subprocess.Popen([sys.executable, "-m", "critic_adapters.backends.fsdp.train", f"trainer.run_dir={tmp_path}",
                               "data.num_rollouts=512", "trainer.progress=false", "trainer.epochs=20"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -85,7 +85,7 @@ def test_yaml_syntax_error_is_one_line(tmp_path):
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     env = dict(launcher_env(), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([sys.executable, "-m", "backends.fsdp.train", f"trainer.run_dir={tmp_path}",
+    process = subprocess.Popen([sys.executable, "-m", "critic_adapters.backends.fsdp.train", f"trainer.run_dir={tmp_path}",
                                 "data.num_rollouts=512", "data.mini_batch_size=32", "trainer.save_every_steps=4",
                                 "trainer.progress=false", "trainer.tensorboard=false"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -140,9 +140,9 @@ def test_nan_made_by_the_model_is_blamed_on_the_model(tmp_path):
 
 
 def test_full_disk_names_the_disk_the_sizes_and_the_last_good_checkpoint(tmp_path, monkeypatch):
-    from common.config import load_train_config
-    from common.distributed import init_distributed
-    from common.trainer import run_training
+    from critic_adapters.common.config import load_train_config
+    from critic_adapters.common.distributed import init_distributed
+    from critic_adapters.common.trainer import run_training
 
     real = shutil.disk_usage
     calls = []

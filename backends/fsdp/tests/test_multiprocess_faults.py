@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from backends.fsdp.tests.launch import launcher_env, run_launcher, torchrun_command
-from common.tests.helpers import read_only_dir, run_pytest
+from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher, torchrun_command
+from critic_adapters.common.tests.helpers import read_only_dir, run_pytest
 
 # 20 rollouts: 18 train in mini-batches of 8, 8, 2 and 2 held out, so with 3 or 4 ranks some ranks
 # get no rows of a mini-batch or of the held-out set.
@@ -30,7 +30,7 @@ def test_three_and_four_processes_finish(tmp_path, nproc):
 
 
 def test_a_failure_on_one_rank_ends_every_rank_promptly_with_its_message(tmp_path):
-    command = torchrun_command(2, "backends.fsdp.tests.fault_worker", f"trainer.run_dir={tmp_path}", *SHORT)
+    command = torchrun_command(2, "critic_adapters.backends.fsdp.tests.fault_worker", f"trainer.run_dir={tmp_path}", *SHORT)
     start = time.monotonic()
     result = subprocess.run(command, env=launcher_env(), capture_output=True, text=True, timeout=240)
     elapsed = time.monotonic() - start
@@ -67,7 +67,7 @@ def _alive(pid: int) -> bool:
 
 def _start(run_dir, *args):
     env = dict(launcher_env(), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "backends.fsdp.train", "--nproc", "2", f"trainer.run_dir={run_dir}",
+    return subprocess.Popen([sys.executable, "-m", "critic_adapters.backends.fsdp.train", "--nproc", "2", f"trainer.run_dir={run_dir}",
                              *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 

@@ -4,13 +4,13 @@ with a tiny config (mrope VLMs and soft-capped gemma2 included): packing never m
 import pytest
 import torch
 
-from backends.fsdp.engine import FSDPCriticEngine
-from common.config import BatchingConfig, EngineConfig, ModelConfig
-from common.distributed import init_distributed
-from common.packed_attention import ATTENTION_NAME
-from common.testdata import FAMILIES, save_tiny_causal_lm
-from common.tests.helpers import run_pytest
-from common.valuehead import compute_values, load_critic
+from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig
+from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.packed_attention import ATTENTION_NAME
+from critic_adapters.common.testdata import FAMILIES, save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 LENGTHS = [6, 11, 3, 9, 11]
 

@@ -2,17 +2,17 @@
 
 import torch
 
-from backends.fsdp.tests.launch import run_torchrun
-from backends.fsdp.tests.test_engine_parity import make_batch
-from common.testdata import save_tiny_causal_lm
-from common.tests.helpers import run_pytest
-from common.valuehead import compute_values, load_critic
+from critic_adapters.backends.fsdp.tests.launch import run_torchrun
+from critic_adapters.backends.fsdp.tests.test_engine_parity import make_batch
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 
 def test_bf16_with_activation_checkpointing_on_two_ranks(tmp_path):
     model_dir = save_tiny_causal_lm("qwen2", str(tmp_path / "model"))
     data = make_batch(str(tmp_path / "batch.pt"))
-    run_torchrun(2, "backends.fsdp.tests.options_worker", model_dir, str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"))
+    run_torchrun(2, "critic_adapters.backends.fsdp.tests.options_worker", model_dir, str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"))
     out = torch.load(tmp_path / "out.pt")
     # The head runs in fp32 on an fp32 input (cast up from the bf16 body), so values are fp32.
     assert out["head_dtypes"] == ["torch.float32", "torch.float32"] and out["values_dtype"] == "torch.float32"

@@ -9,9 +9,9 @@ import sys
 
 from safetensors.torch import load_file
 
-from backends.fsdp.tests.launch import launcher_env, run_launcher
-from common.metrics import read_metrics
-from common.tests.helpers import run_pytest
+from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher
+from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.tests.helpers import run_pytest
 
 # A shorter job than the default, for the resume tests: 512 rollouts, 2 epochs of 15 steps.
 SHORT = ["data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=4",
@@ -51,7 +51,7 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
 
     # Start the same run and SIGKILL the whole process group once step 8's checkpoint is reported.
     env = dict(launcher_env(), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([sys.executable, "-m", "backends.fsdp.train", "--nproc", "2",
+    process = subprocess.Popen([sys.executable, "-m", "critic_adapters.backends.fsdp.train", "--nproc", "2",
                                 f"trainer.run_dir={killed}", *SHORT], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []

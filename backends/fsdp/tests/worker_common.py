@@ -4,8 +4,8 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor
 
-from common.distributed import DistContext
-from common.engine import RolloutBatch
+from critic_adapters.common.distributed import DistContext
+from critic_adapters.common.engine import RolloutBatch
 
 FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 

@@ -1,0 +1,1 @@
+"""Cross-backend tests: parity between engines, checkpoint interchange, vendoring."""
