@@ -94,11 +94,33 @@ class BatchingConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Model-parallel degrees; data parallel is whatever of the world they leave (world / (tensor * pipeline * context))."""
+
+    tensor: int = 1
+    """Tensor-parallel degree (megatron): attention heads and MLP columns split over this many ranks."""
+    pipeline: int = 1
+    """Pipeline-parallel degree (megatron): decoder layers split into this many stages (1F1B schedule)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and dropout see 1/tensor of the sequence; needs tensor > 1."""
+    context: int = 1
+    """Context-parallel degree (sequence split across ranks inside attention)."""
+    ulysses: int = 1
+    """Ulysses sequence-parallel degree (all-to-all over heads)."""
+
+    def __post_init__(self):
+        for name in ("tensor", "pipeline", "context", "ulysses"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.parallel.{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class EngineConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     mixed_precision: str = "none"
     """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 head and values."""
     gradient_checkpointing: bool = False
