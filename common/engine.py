@@ -68,6 +68,7 @@ class CriticEngine(Protocol):
 # backend name -> "module:factory"; factory(config, dist) -> CriticEngine.
 BACKENDS: dict[str, str] = {
     "fsdp": "backends.fsdp.engine:FSDPCriticEngine",
+    "megatron": "backends.megatron.engine:MegatronCriticEngine",
 }
 
 

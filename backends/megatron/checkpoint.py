@@ -105,9 +105,8 @@ def load_checkpoint(directory: str, ddp_model, optimizer, scheduler, fingerprint
 def export_hf(directory: str, hf_state: dict | None, critic_class: type, hf_config) -> None:
     """Rank 0 (the one holding `hf_state`) writes the HF critic; every rank waits for it."""
     if hf_state is not None:
-        with torch.device("meta"):
-            critic = critic_class(hf_config)
-        result = critic.load_state_dict(hf_state, strict=True, assign=True)
+        critic = critic_class(hf_config)
+        result = critic.load_state_dict(hf_state, strict=True)
         assert not result.missing_keys and not result.unexpected_keys, result
         save_critic(critic, directory, overwrite=True)
     barrier()
