@@ -37,8 +37,8 @@ LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
 FIRST_STAGE_MAP = {"embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))}
 LAST_STAGE_MAP = {
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
-    "output_layer.linear.weight": ("replicated", ("score.weight",)),
-    "output_layer.linear.bias": ("replicated", ("score.bias",)),
+    "output_layer.weight": ("replicated", ("score.weight",)),
+    "output_layer.bias": ("replicated", ("score.bias",)),
 }
 # TransformerEngine's spec fuses the two norms into the linears that follow them.
 TE_NAMES = {

@@ -46,18 +46,21 @@ class CriticRMSNorm(torch.nn.RMSNorm):
 
 class ValueHead(torch.nn.Module):
     """Replicated hidden -> 1 linear in fp32; under sequence parallelism it runs on this rank's part
-    of the sequence and the values are gathered (each rank then holds the whole [s, b, 1])."""
+    of the sequence and the values are gathered (each rank then holds the whole [s, b, 1]).
+    Its tensors are `output_layer.weight` [1, H] and `output_layer.bias` [1]: the names GPTModel's
+    sharded_state_dict (dist_checkpointing) expects of an output layer."""
 
     def __init__(self, hidden_size: int, sequence_parallel: bool):
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1, bias=True, dtype=torch.float32)
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             for param in self.parameters():
                 param.sequence_parallel = True
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
-        values = F.linear(hidden.float(), self.linear.weight, self.linear.bias)  # (s, b, 1)
+        values = F.linear(hidden.float(), self.weight, self.bias)  # (s, b, 1)
         if self.sequence_parallel:
             # The loss is computed whole on every tensor-parallel rank, so the gradient of this
             # rank's part is just its slice (no reduce-scatter).

@@ -77,5 +77,17 @@ def test_values_match_the_hf_critic(layout, checkpoints, references, tmp_path):
         assert float(refs[name][mask].std()) > 1e-2
 
 
+def test_negative_control_naive_qkv_fusion(checkpoints, references, tmp_path):
+    """The comparison can fail: fusing q, k, v without grouping per KV head gives a large difference."""
+    import json
+
+    out = tmp_path / "values.pt"
+    path = checkpoints["tokcls-qwen2"]
+    run_torchrun(1, "backends.megatron.tests.values_worker", str(out), json.dumps({"naive_qkv": True}), path)
+    refs, mask = references
+    diff = float((torch.load(out)[path] - refs["tokcls-qwen2"]).abs()[mask].max())
+    assert diff > 1e-2, f"a wrong QKV layout went unnoticed (diff {diff})"
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

@@ -1,6 +1,7 @@
 """torchrun worker: the megatron engine's values for several checkpoints under one parallel layout.
 
-argv: out_file spec_json model_dir... ; spec: tensor, pipeline, sequence_parallel, packing.
+argv: out_file spec_json model_dir... ; spec: tensor, pipeline, sequence_parallel, packing, and
+"naive_qkv": true for the negative control (q, k, v concatenated whole instead of per KV group).
 Engines are built one after another in the same process (close() releases megatron's groups).
 Rank 0 writes {model_dir: values [B, T]} for the batch of common.tests.helpers.padded_batch.
 """
@@ -22,6 +23,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     out_file, spec, model_dirs = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
     dist = init_distributed()
+    if spec.get("naive_qkv"):
+        from backends.megatron import convert
+
+        convert._fuse_qkv = lambda q, k, v, shapes: torch.cat([q, k, v])[None]
     ids, mask = padded_batch(seed=1, batch=4, length=11)
     results = {}
     for model_dir in model_dirs:
