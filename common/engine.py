@@ -94,6 +94,7 @@ class CriticEngine(Protocol):
 # absolute; factory(config, dist) -> CriticEngine.
 BACKENDS: dict[str, str] = {
     "fsdp": ".backends.fsdp.engine:FSDPCriticEngine",
+    "megatron": ".backends.megatron.engine:MegatronCriticEngine",
 }
 # The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
 PACKAGE_ROOT = __package__.rpartition(".")[0]

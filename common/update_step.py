@@ -69,9 +69,15 @@ class StepStats:
                                       (r * r).sum(), residual.sum(), (residual * residual).sum()])
         return loss
 
-    def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group=None) -> dict:
-        """The step's metrics over the data-parallel group (one host sync, one collective)."""
-        reduced = all_reduce(self.sums.cpu().tolist() + [tokens], group=dp_group)
+    def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group=None,
+                counts: bool = True) -> dict:
+        """The step's metrics over `dp_group` (one host sync, one collective).
+
+        A backend whose ranks hold copies of a data-parallel share (Megatron: tensor-parallel peers,
+        and pipeline stages where only the last computes the loss) reduces over all ranks instead
+        and passes counts=False on every rank but one per share."""
+        local = self.sums.cpu().tolist() + [tokens]
+        reduced = all_reduce(local if counts else [0.0] * len(local), group=dp_group)
         g = dict(zip(_SUMS, reduced))
         return {
             "value_loss": g["loss"],

@@ -1,0 +1,180 @@
+"""CPU compatibility for megatron-core 0.16.1: every shim this backend needs when CUDA is absent.
+
+megatron-core assumes CUDA in a handful of places (measured in shared/notes/megatron-feasibility.md).
+`enable_cpu_shims(seed)` patches them, and `cuda_to_cpu()` is a context manager for the code paths
+that allocate with `device="cuda"` (optimizer construction and step, the pipeline schedules).
+Both do nothing when CUDA is available: on GPU this backend runs plain megatron-core.
+
+The shims, and why each exists (line numbers are megatron-core 0.16.1):
+  1. RNG tracker: `model_parallel_cuda_manual_seed` uses torch.cuda RNG states, and every attention
+     forward forks the tracker (dot_product_attention.py:217). `_CpuRNGStatesTracker` keeps CPU
+     generator states under the same names and seeds.
+  2. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` (:162).
+  3. `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()` (utils.py:631).
+  4. `torch.cuda.current_device()` is used as a device by DDP buffers and the sequence-parallel
+     gather/scatter (param_and_grad_buffer.py:806, mappings.py:181): it returns cpu here.
+  5. `torch.cuda.synchronize` / `empty_cache` become no-ops.
+  6. `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads (clip_grads.py:167): a
+     device-neutral replacement, installed where optimizer.py imported it by name.
+  7. The CUDA RNG-state save/restore of activation recompute (random.py:55) become no-ops; the CPU
+     state and the tracker states are still saved and restored.
+  8. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
+     `pin_memory`) to cpu, for FP32Optimizer (optimizer.py:907) and the schedules (schedules.py:596,
+     :2138).
+megatron's distributed optimizer cannot run on CPU (distrib_optimizer.py:431 checks type strings):
+the engine uses the plain one there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+
+
+def cpu_mode() -> bool:
+    """True when the shims apply: no CUDA."""
+    return not torch.cuda.is_available()
+
+
+class _CpuRNGStatesTracker:
+    """megatron's CudaRNGStatesTracker interface over CPU generator states."""
+
+    def __init__(self):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """The CPU stand-in for `tensor_parallel.model_parallel_cuda_manual_seed` (same names and seeds)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker = _CpuRNGStatesTracker()
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                seed + 1024 + 100 * parallel_state.get_expert_model_parallel_rank()
+                + parallel_state.get_expert_tensor_parallel_rank())
+    mp_random._CUDA_RNG_STATE_TRACKER = tracker
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _rope_get_emb(self, max_seq_len: int, offset: int = 0):
+    """RotaryEmbedding.get_emb without the move of inv_freq to the current CUDA device."""
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if not self.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]  # (s, 1, 1, d)
+
+
+def _buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    required = 1
+    for size in tensor_shape:
+        required *= size
+    key = (name, dtype)
+    if self.buffer.get(key) is None or self.buffer[key].numel() < required:
+        self.buffer[key] = torch.empty(required, dtype=dtype, requires_grad=False)
+    return self.buffer[key][0:required].view(*tensor_shape)
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """clip_grad_by_total_norm_fp32 without its CUDA type assertion (same coefficient)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+def enable_cpu_shims() -> None:
+    """Install shims 2-7 (idempotent; a no-op with CUDA). Call before building the model."""
+    global _ENABLED
+    if _ENABLED or not cpu_mode():
+        return
+    from megatron.core import utils as mcore_utils
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import random as mp_random
+
+    rotary_pos_embedding.RotaryEmbedding.get_emb = _rope_get_emb
+    mcore_utils.GlobalMemoryBuffer.get_tensor = _buffer_get_tensor
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda: None
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    _ENABLED = True
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to cpu for every torch function called inside it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = torch.device("cpu")
+        if func is torch.Tensor.to:
+            args = tuple(torch.device("cpu") if i and _is_cuda(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+def cuda_to_cpu():
+    """Context in which megatron's `device="cuda"` allocations land on cpu (nothing with CUDA)."""
+    return _CudaToCpu() if cpu_mode() else contextlib.nullcontext()

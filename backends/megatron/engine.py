@@ -1,0 +1,213 @@
+"""Megatron-core critic engine: the shared critic's weights in a megatron GPTModel with tensor,
+pipeline, sequence and data parallelism, trained with megatron's schedules and optimizer and the
+mini-batch-normalised clipped value loss (common.update_step) as the loss closure.
+
+Built through common.engine.build_engine("megatron", config, dist); see common/engine.py for the API.
+Every rank passes its data-parallel share (`dp_rank` of `dp_size`); the tensor- and
+pipeline-parallel peers of a rank pass the same rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+
+import torch
+import torch.distributed as torch_dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from . import checkpoint, compat, convert, parallelize
+from .config import check_megatron_config, transformer_config
+from .inputs import model_inputs
+from .value_model import build_value_model, te_available
+from ...common.batching import MicroBatch, count_micro_batches, make_micro_batches
+from ...common.config import EngineConfig
+from ...common.distributed import DistContext, all_reduce
+from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ...common.update_step import StepStats, plan_step
+from ...common.valuehead import load_critic
+from ...common.valuehead.load import plan_load
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class MegatronCriticEngine:
+    def __init__(self, config: EngineConfig, dist: DistContext):
+        self.config = config
+        self.dist = dist
+        model_cfg = config.model
+        # Everything that can be refused is refused before megatron creates a single group.
+        hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
+                              trust_remote_code=model_cfg.trust_remote_code).config
+        self.traits = check_megatron_config(hf_config, config.parallel, dist.world_size)
+        # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
+        self.generator = torch.Generator().manual_seed(config.seed)
+        critic, self.load_report = load_critic(
+            model_cfg.path, torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
+            head_prefix=model_cfg.head_prefix, fresh_head=model_cfg.fresh_head,
+            head_init_seed=model_cfg.head_init_seed)
+        self.hf_config = critic.config
+        self.critic_class = type(critic)
+        self.fingerprint = checkpoint.fingerprint(critic)
+
+        parallelize.init_model_parallel(config.parallel, config.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.first_stage = parallel_state.is_pipeline_first_stage()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+
+        self.tf_config = transformer_config(self.hf_config, config, cpu=compat.cpu_mode())
+        use_te = te_available()
+        tp = config.parallel.tensor
+        shapes = convert.Shapes.of(self.hf_config, tp)
+        with torch.random.fork_rng(devices=[]):  # megatron's init draws on the global RNG; overwritten below
+            model = build_value_model(self.hf_config, self.tf_config, self.traits, pre_process=self.first_stage,
+                                      post_process=self.last_stage, padded_vocab=shapes.padded_vocab, use_te=use_te)
+        per_stage = self.hf_config.num_hidden_layers // config.parallel.pipeline
+        self.layout = convert.Layout(self.tp_rank, tp, self.pp_rank * per_stage, per_stage,
+                                     self.first_stage, self.last_stage, te_names=use_te)
+        convert.load_into(model, convert.hf_to_mcore(critic.state_dict(), self.hf_config, self.traits, self.layout))
+        del critic
+        model.to(dist.device)
+        self.model = parallelize.wrap_ddp(model, self.tf_config)
+        bf16 = self.tf_config.bf16
+        self.optimizer = parallelize.build_optimizer(self.model, config.optim, bf16)
+        self.scheduler = parallelize.LRSchedule(self.optimizer, config.optim)
+        self.vocab_size = self.hf_config.vocab_size
+        # Sequence parallelism splits every micro-batch's sequence over the tensor ranks.
+        self._multiple = tp if config.parallel.sequence_parallel else 1
+
+    # -- micro-batches -------------------------------------------------------------------------------
+    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
+        """The same number on every rank (data-parallel peers run their schedules in step)."""
+        batching = self.config.batching
+        local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
+                                    micro_batch_size=batching.micro_batch_size)
+        (count,) = all_reduce([local], op="max")
+        return make_micro_batches(input_ids, attention_mask, packing=batching.packing,
+                                  token_budget=batching.micro_batch_tokens,
+                                  micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb = next(data_iterator)
+        inputs = model_inputs(mb, multiple=self._multiple, device=self.dist.device)
+        output = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask,
+                       packed_seq_params=inputs.packed_seq_params)
+        return output, functools.partial(loss_fn, mb, inputs)
+
+    def _run(self, micro_batches: list[MicroBatch], loss_fn, *, forward_only: bool) -> None:
+        """Megatron's schedule (1F1B when pipeline > 1) over the micro-batches."""
+        longest = max(mb.input_ids.shape[1] for mb in micro_batches)
+        with compat.cuda_to_cpu():
+            get_forward_backward_func()(
+                forward_step_func=functools.partial(self._forward_step, loss_fn),
+                data_iterator=iter(micro_batches), model=[self.model], num_microbatches=len(micro_batches),
+                seq_length=longest, micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
+                forward_only=forward_only)
+
+    def _share_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every pipeline stage gets the last stage's tensor (same shape everywhere)."""
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch_dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                 group=parallel_state.get_pipeline_model_parallel_group())
+        return tensor
+
+    # -- the engine API ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size)  # every rank together
+        self.model.eval()
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+
+        def collect(mb, inputs, output):
+            if mb.rows:
+                out[mb.rows] = mb.unpack(inputs.crop(output.squeeze(-1)), input_ids.shape[1]).float().cpu()
+            return output.sum() * 0.0, {}
+
+        self._run(self._micro_batches(input_ids, attention_mask), collect, forward_only=True)
+        return self._share_from_last_stage(out)
+
+    def accumulate_gradients(self, batch: RolloutBatch) -> StepStats:
+        """Forward/backward of this rank's micro-batches through megatron's schedule, gradients
+        finalised (data-parallel all-reduce etc.); returns the step's statistics (zero off the last
+        pipeline stage). Gradients are those of the global mini-batch loss."""
+        check_batch_inputs(batch.input_ids, batch.attention_mask, vocab_size=self.vocab_size, batch=batch)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        device = self.dist.device
+        # Normalise over the whole mini-batch: every data-parallel share (TP/PP peers hold copies).
+        stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
+        micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
+        # The schedule divides each micro-batch loss by their number and DDP averages over the
+        # data-parallel ranks; the loss here is already the global mean, so undo both.
+        scale = len(micro_batches) * self.dp_size
+
+        def loss_fn(mb, inputs, output):
+            if not mb.rows:
+                return output.sum() * 0.0, {}
+            values = mb.unpack(inputs.crop(output.squeeze(-1)), batch.input_ids.shape[1])
+            loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
+                                          batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
+            return loss * scale, {}
+
+        self._run(micro_batches, loss_fn, forward_only=False)
+        return stats
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of a mini-batch; returns the metrics of
+        common.update_step.METRICS over all data-parallel shares."""
+        start = time.perf_counter()
+        stats = self.accumulate_gradients(batch)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        with compat.cuda_to_cpu():
+            _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step()
+        # Each data-parallel share counted once, by its last-stage, tensor-rank-0 process; every
+        # rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
+        return stats.metrics(grad_norm=float(grad_norm), lr=lr, tokens=float(batch.attention_mask.sum()),
+                             seconds=time.perf_counter() - start, counts=self.last_stage and self.tp_rank == 0)
+
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes save_checkpoint writes (all ranks): fp32 weights and Adam's two
+        moments of one data-parallel replica, plus 1 MiB."""
+        local = 3 * sum(p.numel() * 4 for p in self.model.parameters()) if self.dp_rank == 0 else 0
+        (total,) = all_reduce([float(local)])
+        return int(total) + 2**20
+
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
+        checkpoint.save_checkpoint(directory, self, extra_state or {})
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return checkpoint.load_checkpoint(directory, self)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full HF critic state dict on global rank 0 (None elsewhere), gathered from every shard."""
+        own = None
+        if self.dp_rank == 0:  # data-parallel replicas hold the same weights
+            own = ((self.pp_rank, self.tp_rank), self.layout,
+                   {k: v.detach().float().cpu() if v.is_floating_point() else v
+                    for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")})
+        gathered = [None] * self.dist.world_size
+        torch_dist.gather_object(own, gathered if self.dist.is_main else None, dst=0)
+        if not self.dist.is_main:
+            return None
+        shards = {key: state for key, _, state in filter(None, gathered)}
+        layouts = {key: layout for key, layout, _ in filter(None, gathered)}
+        return convert.mcore_to_hf(shards, layouts, self.hf_config, self.traits)
+
+    def export_hf(self, directory: str) -> None:
+        """Write the critic as a plain HF *ForTokenClassification (fp32) with common.valuehead.save_critic."""
+        checkpoint.export_hf(directory, self.hf_state_dict(), self.critic_class, self.hf_config)
+
+    def close(self) -> None:
+        """Release the model and megatron's process groups (module globals); before the default group."""
+        del self.model, self.optimizer, self.scheduler
+        gc.collect()
+        parallelize.destroy_model_parallel()

@@ -1,0 +1,53 @@
+"""torchrun worker for checkpoint tests.
+
+argv: mode model_dir batch_file work_dir tensor out_file
+  save:   2 updates, checkpoint to work_dir/ckpt, 2 more updates, export to work_dir/hf_export
+  resume: load work_dir/ckpt, 2 updates
+Rank 0 writes {"metrics": [...], "weights": full HF state dict after the last update} to out_file.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+
+from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine import RolloutBatch, build_engine
+
+FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    mode, model_dir, batch_file, work_dir, tensor, out_file = sys.argv[1:7]
+    dist = init_distributed()
+    config = EngineConfig(model=ModelConfig(path=model_dir),
+                          optim=OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=6),
+                          loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=48),
+                          parallel=ParallelConfig(tensor=int(tensor)))
+    engine = build_engine("megatron", config, dist)
+    data = torch.load(batch_file)
+    mine = torch.arange(engine.dp_rank, data["input_ids"].shape[0], engine.dp_size)
+    batch = RolloutBatch(*(data[k][mine] for k in FIELDS))
+    ckpt = os.path.join(work_dir, "ckpt")
+    metrics = []
+    if mode == "save":
+        metrics += [engine.update(batch) for _ in range(2)]
+        engine.save_checkpoint(ckpt, {"step": 2})
+        metrics += [engine.update(batch) for _ in range(2)]
+        engine.export_hf(os.path.join(work_dir, "hf_export"))
+    else:
+        extra = engine.load_checkpoint(ckpt)
+        assert extra == {"step": 2}, extra
+        metrics += [engine.update(batch) for _ in range(2)]
+    weights = engine.hf_state_dict()
+    if dist.is_main:
+        torch.save({"metrics": metrics, "weights": weights}, out_file)
+    engine.close()
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

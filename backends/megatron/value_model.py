@@ -1,0 +1,131 @@
+"""The critic as a megatron-core GPTModel: decoder layers from the HF config, and in place of the
+vocab projection a replicated Linear(H, 1, bias=True) on the last pipeline stage (values float32).
+
+Layer spec: TransformerEngine's when TE is importable and CUDA is present (packed rows through
+PackedSeqParams/THD), else our local spec: megatron's parallel linears, torch RMSNorm, and
+PackedCoreAttention (attention.py) as the core attention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from .attention import PackedCoreAttention
+from .config import FamilyTraits, rope_theta
+
+
+def te_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+class CriticRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm built from megatron's norm arguments. Under sequence parallelism its weight sees
+    only this rank's part of the sequence, so it is tagged for megatron's tensor-parallel grad
+    all-reduce (finalize_model_grads): what TE's norm does, and what megatron's torch norm refuses."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        if config.sequence_parallel:
+            for param in self.parameters():
+                param.sequence_parallel = True
+
+
+class ValueHead(torch.nn.Module):
+    """Replicated hidden -> 1 linear in fp32; under sequence parallelism it runs on this rank's part
+    of the sequence and the values are gathered (each rank then holds the whole [s, b, 1]).
+    Its tensors are `output_layer.weight` [1, H] and `output_layer.bias` [1]: the names GPTModel's
+    sharded_state_dict (dist_checkpointing) expects of an output layer."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            for param in self.parameters():
+                param.sequence_parallel = True
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        values = F.linear(hidden.float(), self.weight, self.bias)  # (s, b, 1)
+        if self.sequence_parallel:
+            # The loss is computed whole on every tensor-parallel rank, so the gradient of this
+            # rank's part is just its slice (no reduce-scatter).
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def local_layer_spec(traits: FamilyTraits) -> ModuleSpec:
+    qk_norm = CriticRMSNorm if traits.qk_norm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=CriticRMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=PackedCoreAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=CriticRMSNorm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            # dist_checkpointing names as in the TE spec, so checkpoints move between the two specs.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def block_spec(tf_config, traits: FamilyTraits, use_te: bool) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers plus the final norm."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        layer, norm = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=traits.qk_norm), TENorm
+    else:
+        layer, norm = local_layer_spec(traits), CriticRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tf_config), layer_norm=norm)
+
+
+def build_value_model(hf_config, tf_config, traits: FamilyTraits, *, pre_process: bool, post_process: bool,
+                      padded_vocab: int, use_te: bool) -> GPTModel:
+    """One pipeline stage of the critic (parallel_state must be initialised)."""
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=block_spec(tf_config, traits, use_te),
+        vocab_size=padded_vocab,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,  # a critic never ties: it has no vocab projection
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=rope_theta(hf_config),
+    )
+    if post_process:
+        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel)
+    return model
