@@ -285,6 +285,10 @@ def _load_yaml(path: str):
 CHANGEABLE_ON_RESUME = frozenset({
     "trainer.run_dir", "trainer.resume", "trainer.epochs", "trainer.save_every_steps", "trainer.keep_last",
     "trainer.export_hf", "trainer.tensorboard", "trainer.plot", "trainer.progress",
+    # The parallel layout: checkpoints hold global tensors (a TP2 run resumes at TP1), and the
+    # data-parallel degree already changes with --nproc.
+    "engine.parallel.tensor", "engine.parallel.pipeline", "engine.parallel.sequence_parallel",
+    "engine.parallel.context", "engine.parallel.ulysses",
 })
 
 
