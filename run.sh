@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two commands of critic-adapters (see README.md). Each first runs the idempotent setup.
 #   ./run.sh main   set up, then train a critic on the embedded tiny model and rollouts
-#   ./run.sh test   set up, then run every test: bazel test //...
+#   ./run.sh test   set up, then run every test: bazel test //..., then the consumer workspace's test
 # Extra arguments go to the training launcher (main) or to bazel test (test).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,7 +16,12 @@ case "$command" in
   test)
     tools/setup.sh
     export PATH="$PWD/.venv/bin:$PATH"
-    exec bazel test //... "$@"
+    bazel test //... "$@"
+    # A second workspace that depends on this one by label (tests/consumer_workspace/WORKSPACE).
+    status=0
+    (cd tests/consumer_workspace && bazel test //... --test_output=errors) || status=$?
+    (cd tests/consumer_workspace && bazel shutdown) || true
+    exit $status
     ;;
   *)
     echo "usage: ./run.sh main [launcher options] | ./run.sh test [bazel options]" >&2
