@@ -139,7 +139,7 @@ class ParallelConfig:
             offers = ", ".join(implemented) if implemented else "data parallel only"
             raise ValueError(f"the {backend} backend does not implement {', '.join(unsupported)} (it offers "
                              f"{offers}); set it back to 1/false, or use backend=megatron (tensor, pipeline, "
-                             f"sequence_parallel, context) or backend=veomni (ulysses)")
+                             f"sequence_parallel) or backend=veomni (ulysses)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
