@@ -98,8 +98,8 @@ def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | Non
             count = 1
         train, held_out = rollouts.select(order[count:]), rollouts.select(order[:count])
         if len(held_out) == 0:
-            raise ValueError(f"data.eval_fraction=0 and no data.eval_path: the held-out evaluation needs rollouts; "
-                             f"set data.eval_fraction > 0 or give data.eval_path")
+            raise ValueError("data.eval_fraction=0 and no data.eval_path: the held-out evaluation needs rollouts; "
+                             "set data.eval_fraction > 0 or give data.eval_path")
         if len(train) == 0:
             raise ValueError(f"{data.train_path} holds {len(rollouts)} rollout(s): holding out "
                              f"data.eval_fraction={data.eval_fraction} of them (at least one) for evaluation leaves "

@@ -21,7 +21,8 @@ import dataclasses
 
 import torch
 
-from .config import LossConfig
+from .batching import MicroBatch, count_micro_batches, make_micro_batches
+from .config import BatchingConfig, LossConfig
 from .distributed import all_reduce
 from .engine import RolloutBatch
 from .loss import explained_variance_from_sums, loss_normalizer, value_loss_terms
@@ -44,6 +45,18 @@ def plan_step(batch: RolloutBatch, loss: LossConfig, dp_group=None) -> StepPlan:
     (normalizer,) = all_reduce([loss_normalizer(batch.response_mask, loss.agg_mode)], group=dp_group)
     (horizon,) = all_reduce([batch.input_ids.shape[1]], op="max", group=dp_group)
     return StepPlan(normalizer=normalizer, horizon=int(horizon))
+
+
+def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig,
+                       group=None) -> list[MicroBatch]:
+    """This rank's micro-batches, as many as the busiest rank of `group` needs: ranks that share
+    collectives (FSDP's gathers, Megatron's schedules) must run the same number."""
+    local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
+                                micro_batch_size=batching.micro_batch_size)
+    (count,) = all_reduce([local], op="max", group=group)
+    return make_micro_batches(input_ids, attention_mask, packing=batching.packing,
+                              token_budget=batching.micro_batch_tokens,
+                              micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
 
 
 class StepStats:

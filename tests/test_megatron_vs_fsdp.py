@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from critic_adapters.common.testdata import save_tiny_causal_lm
-from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import save_rollout_batch, run_pytest
 
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tensor": 2}), "pp2": (2, {"pipeline": 2})}
 STEPS = 5
@@ -27,17 +27,7 @@ def run_worker(nproc: int, *args: str) -> None:
 
 
 def make_batch(path: str) -> None:
-    g = torch.Generator().manual_seed(0)
-    lengths = [17, 9, 20, 4, 13, 11, 20, 6]
-    B, T = len(lengths), max(lengths)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    response = torch.zeros(B, T, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-        response[i, max(1, n // 3):n] = 1
-    torch.save({"input_ids": torch.randint(3, 990, (B, T), generator=g) * mask, "attention_mask": mask,
-                "response_mask": response, "old_values": torch.randn(B, T, generator=g) * 0.1 * response,
-                "returns": torch.randn(B, T, generator=g) * response}, path)
+    save_rollout_batch(path, [17, 9, 20, 4, 13, 11, 20, 6])
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,12 @@ from . import checkpoint
 from .parallelize import parallelize_critic
 from .sharded_load import load_sharded_critic
 from ...common import packed_attention
-from ...common.batching import MicroBatch, count_micro_batches, make_micro_batches
+from ...common.batching import MicroBatch
 from ...common.config import EngineConfig
 from ...common.distributed import DistContext, all_reduce, barrier
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.schedule import build_scheduler
-from ...common.update_step import StepStats, plan_step
+from ...common.update_step import StepStats, plan_step, step_micro_batches
 from ...common.valuehead import save_critic
 from ...common.valuehead.attention import flash_attention_available
 from ...common.valuehead.values import compute_values
@@ -91,13 +91,7 @@ class FSDPCriticEngine:
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
-        batching = self.config.batching
-        local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
-                                    micro_batch_size=batching.micro_batch_size)
-        (count,) = all_reduce([local], op="max", group=self.dp_group)
-        return make_micro_batches(input_ids, attention_mask, packing=batching.packing,
-                                  token_budget=batching.micro_batch_tokens,
-                                  micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
 
     def _forward(self, mb: MicroBatch, row_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output)."""

@@ -22,11 +22,11 @@ from . import checkpoint, compat, convert, parallelize
 from .config import check_megatron_config, transformer_config
 from .inputs import model_inputs
 from .value_model import build_value_model, te_available
-from ...common.batching import MicroBatch, count_micro_batches, make_micro_batches
+from ...common.batching import MicroBatch
 from ...common.config import EngineConfig
 from ...common.distributed import DistContext, all_reduce
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
-from ...common.update_step import StepStats, plan_step
+from ...common.update_step import StepStats, plan_step, step_micro_batches
 from ...common.valuehead import load_critic
 from ...common.valuehead.load import plan_load
 
@@ -84,14 +84,8 @@ class MegatronCriticEngine:
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
-        """The same number on every rank (data-parallel peers run their schedules in step)."""
-        batching = self.config.batching
-        local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
-                                    micro_batch_size=batching.micro_batch_size)
-        (count,) = all_reduce([local], op="max")
-        return make_micro_batches(input_ids, attention_mask, packing=batching.packing,
-                                  token_budget=batching.micro_batch_tokens,
-                                  micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
+        """This rank's micro-batches; the same number on every rank (data-parallel peers run their schedules in step)."""
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=None)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)

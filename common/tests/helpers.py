@@ -21,6 +21,31 @@ def padded_batch(seed: int = 0, batch: int = 3, length: int = 9, vocab: int = VO
     return ids, mask
 
 
+def save_rollout_batch(path: str, lengths: list[int], seed: int = 0) -> dict:
+    """A mini-batch of right-padded rows of the given lengths (response = the last two thirds of each),
+    with random returns and small old values, as the torchrun test workers read it; returns it too."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    ids = torch.randint(3, 990, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    response = torch.zeros(B, T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+        response[i, max(1, n // 3):n] = 1
+    data = {"input_ids": ids * mask, "attention_mask": mask, "response_mask": response,
+            "old_values": torch.randn(B, T, generator=g) * 0.1 * response,
+            "returns": torch.randn(B, T, generator=g) * response}
+    torch.save(data, path)
+    return data
+
+
+def final_explained_variance(stdout: str) -> float:
+    """The number on a training job's last line, `final explained_variance=<v>`."""
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("final explained_variance="), last
+    return float(last.split("=", 1)[1])
+
+
 def assert_close_on_mask(actual, expected, mask, atol: float, what: str = "values") -> float:
     diff = float((actual - expected).abs()[mask.bool()].max())
     assert diff <= atol, f"{what} differ by {diff:.3g} > {atol}"

@@ -14,7 +14,7 @@ from transformers import AutoModelForTokenClassification, Qwen2Config
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.launch import run_launcher, run_torchrun
-from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.config import EngineConfig, ModelConfig, ParallelConfig
 from critic_adapters.common.distributed import init_distributed
 from critic_adapters.common.engine import RolloutBatch, build_engine
 from critic_adapters.common.metrics import read_metrics

@@ -8,28 +8,14 @@ from critic_adapters.backends.fsdp.tests.launch import run_torchrun
 from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.loss import value_loss
 from critic_adapters.common.testdata import save_tiny_causal_lm
-from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import save_rollout_batch, run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic
 
 ATOL = 1e-5
 
 
 def make_batch(path):
-    g = torch.Generator().manual_seed(0)
-    lengths = [17, 9, 20, 4, 13, 11, 20]
-    B, T = len(lengths), max(lengths)
-    ids = torch.randint(3, 990, (B, T), generator=g)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    response = torch.zeros(B, T, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-        response[i, max(1, n // 3):n] = 1
-    ids = ids * mask
-    data = {"input_ids": ids, "attention_mask": mask, "response_mask": response,
-            "old_values": torch.randn(B, T, generator=g) * 0.1 * response,
-            "returns": torch.randn(B, T, generator=g) * response}
-    torch.save(data, path)
-    return data
+    return save_rollout_batch(path, [17, 9, 20, 4, 13, 11, 20])
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,20 @@ from safetensors.torch import load_file
 
 from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher
 from critic_adapters.common.metrics import read_metrics
-from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
 
 # A shorter job than the default, for the resume tests: 512 rollouts, 2 epochs of 15 steps.
 SHORT = ["data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=4",
          "trainer.keep_last=3", "trainer.tensorboard=false", "trainer.plot=false", "trainer.progress=false"]
 
 
-def final_ev(stdout: str) -> float:
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("final explained_variance="), last
-    return float(last.split("=", 1)[1])
 
 
 def test_default_job_learns_on_two_processes(tmp_path):
     run_dir = tmp_path / "default"
     result = run_launcher("--nproc", "2", f"trainer.run_dir={run_dir}")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert final_ev(result.stdout) >= 0.5
+    assert final_explained_variance(result.stdout) >= 0.5
     train = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     losses = [r["value_loss"] for r in train]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"
@@ -71,7 +67,7 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     assert a.keys() == b.keys()
     different = [k for k in a if not (a[k] == b[k]).all()]
     assert not different, f"resumed weights differ from the uninterrupted run in {different}"
-    assert final_ev(resumed.stdout) == final_ev(result.stdout)
+    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
@@ -83,7 +79,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
     resumed = run_launcher("--nproc", "1", f"trainer.run_dir={run_dir}", *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
-    assert final_ev(resumed.stdout) >= 0.3
+    assert final_explained_variance(resumed.stdout) >= 0.3
     steps = [r["step"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     assert steps == list(range(1, 31)), steps
 

@@ -11,23 +11,13 @@ from transformers import AutoModelForTokenClassification
 from critic_adapters.backends.megatron.tests.launch import run_torchrun
 from critic_adapters.common.checkpoints import META_FILE
 from critic_adapters.common.testdata import save_tiny_causal_lm
-from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import save_rollout_batch, run_pytest
 
 WORKER = "critic_adapters.backends.megatron.tests.checkpoint_worker"
 
 
 def make_batch(path: str) -> None:
-    g = torch.Generator().manual_seed(0)
-    lengths = [17, 9, 20, 4, 13, 11]
-    B, T = len(lengths), max(lengths)
-    mask = torch.zeros(B, T, dtype=torch.long)
-    response = torch.zeros(B, T, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-        response[i, max(1, n // 3):n] = 1
-    torch.save({"input_ids": torch.randint(3, 990, (B, T), generator=g) * mask, "attention_mask": mask,
-                "response_mask": response, "old_values": torch.randn(B, T, generator=g) * 0.1 * response,
-                "returns": torch.randn(B, T, generator=g) * response}, path)
+    save_rollout_batch(path, [17, 9, 20, 4, 13, 11])
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ span and never an N x N mask over the row; padded rows follow the boolean mask."
 
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams

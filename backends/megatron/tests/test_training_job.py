@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from critic_adapters.backends.megatron.tests.launch import worker_env
 from critic_adapters.common.metrics import read_metrics
-from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
 
 MODULE = "critic_adapters.backends.megatron.train"
 # A shorter job than the default: 512 rollouts, 2 epochs of 15 steps, a checkpoint every 4.
@@ -23,10 +23,6 @@ def launch(*args, timeout=900):
                           timeout=timeout)
 
 
-def final_ev(stdout: str) -> float:
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("final explained_variance="), last
-    return float(last.split("=", 1)[1])
 
 
 def test_default_job_learns_at_tensor_parallel_two(tmp_path):
@@ -34,7 +30,7 @@ def test_default_job_learns_at_tensor_parallel_two(tmp_path):
     result = launch("--nproc", "2", f"trainer.run_dir={run_dir}")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "over 1 data-parallel rank(s)" in result.stdout  # 2 processes, one TP pair
-    assert final_ev(result.stdout) >= 0.5
+    assert final_explained_variance(result.stdout) >= 0.5
     losses = [r["value_loss"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"
 
