@@ -100,7 +100,11 @@ class VeOmniCriticEngine:
                                    trust_remote_code=model_cfg.trust_remote_code).config
         value_model.check_family_registered(self.hf_config)
         self.parallel_state = parallelize.init_parallel_state(dist.world_size, config.parallel.ulysses)
-        self.model, self.load_report = self._build()
+        try:
+            self.model, self.load_report = self._build()
+        except BaseException:
+            parallelize.release_parallel_state()
+            raise
         self.fingerprint = checkpoint.fingerprint(self.model)
         with self._veomni(), value_model.quiet_veomni():
             self.optimizer = parallelize.build_optimizer(self.model, config.optim)
