@@ -256,7 +256,8 @@ class VeOmniCriticEngine:
         self._reshard()
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.dp_rank == 0:
-            save_critic(self.model, directory, state_dict=full, overwrite=True)
+            with value_model.without_veomni_fields(self.model.config):
+                save_critic(self.model, directory, state_dict=full, overwrite=True)
         barrier(self.dp_group)
 
     def close(self) -> None:

@@ -139,6 +139,24 @@ def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device)
         raise _dispatch_error(f"on a [1, 4] probe it returns {list(logits.shape)}, not [1, 4, 1]", model, expected)
 
 
+# Attributes build_foundation_model writes into the model's config (auto.py:285-306): VeOmni's own
+# switches, not part of the model, so an exported config.json must not carry them.
+VEOMNI_CONFIG_FIELDS = ("encoder_data_balance", "encoder_data_balance_sorting_algo")
+
+
+@contextlib.contextmanager
+def without_veomni_fields(config):
+    """`config` without VeOmni's switches inside the block (for save_critic); restored after."""
+    saved = {name: getattr(config, name) for name in VEOMNI_CONFIG_FIELDS if hasattr(config, name)}
+    for name in saved:
+        delattr(config, name)
+    try:
+        yield config
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
 def remove_dir(path: str) -> None:
     import shutil
 

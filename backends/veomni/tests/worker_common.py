@@ -13,6 +13,23 @@ from critic_adapters.common.engine import RolloutBatch
 FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
 
+def make_batch(path: str) -> dict:
+    """A saved mini-batch of 7 right-padded rows (lengths 4..20) with responses, old values and returns."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [17, 9, 20, 4, 13, 11, 20]
+    B, T = len(lengths), max(lengths)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    response = torch.zeros(B, T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+        response[i, max(1, n // 3):n] = 1
+    data = {"input_ids": torch.randint(3, 990, (B, T), generator=g) * mask, "attention_mask": mask,
+            "response_mask": response, "old_values": torch.randn(B, T, generator=g) * 0.1 * response,
+            "returns": torch.randn(B, T, generator=g) * response}
+    torch.save(data, path)
+    return data
+
+
 def rank_share(batch_file: str, dist: DistContext):
     """(full data dict, this rank's row indices, this rank's RolloutBatch): rows rank, rank+world, ..."""
     data = torch.load(batch_file)
