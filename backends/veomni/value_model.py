@@ -79,14 +79,26 @@ def write_token_classification_weights(path: str, out_dir: str, *, load_kwargs: 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,
                  init_device: str) -> torch.nn.Module:
-    """VeOmni's build_foundation_model on the critic config (a copy: VeOmni writes into it)."""
+    """VeOmni's build_foundation_model on the critic config (a copy: VeOmni writes into it).
+
+    VeOmni installs its loss wrappers into transformers' LOSS_MAPPING (cross_entropy/__init__.py:
+    install_loss_mapping; they return a 3-tuple where transformers' return a tensor), which would change
+    every causal LM's loss in this process. The critic computes no transformers loss (no labels
+    are ever passed), so the mapping is put back as it was after the build.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING
     from veomni.models.auto import build_foundation_model
 
     from . import compat
 
-    return build_foundation_model(config_path=copy.deepcopy(critic_cfg), weights_path=weights_path, torch_dtype=dtype,
-                                  init_device=init_device,
-                                  ops_implementation=compat.ops_implementation(attn_implementation))
+    saved_losses = dict(LOSS_MAPPING)
+    try:
+        return build_foundation_model(config_path=copy.deepcopy(critic_cfg), weights_path=weights_path,
+                                      torch_dtype=dtype, init_device=init_device,
+                                      ops_implementation=compat.ops_implementation(attn_implementation))
+    finally:
+        LOSS_MAPPING.clear()
+        LOSS_MAPPING.update(saved_losses)
 
 
 def _dispatch_error(what: str, model: torch.nn.Module, expected: str) -> ValueError:

@@ -62,6 +62,7 @@ def test_values_equal_compute_values(checkpoints, nproc):
                 continue
             got = results[spec]
             assert "error" not in got, (spec, got)
+            assert not got["changed_process_state"], f"building the engine changed {got['changed_process_state']}"
             assert got["critic_class"].removeprefix("FSDP").endswith("ForTokenClassification"), got["critic_class"]
             diff = float((got["values"] - expected[name]).abs()[mask.bool()].max())
             assert diff <= 1e-5, f"{spec} at {nproc} ranks: values differ by {diff:.3g}"

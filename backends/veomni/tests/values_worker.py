@@ -6,7 +6,9 @@ process (each closed before the next). Rank 0 writes {model_dir: {"values": [B, 
 "critic_class", "report", "dropouts"} or {"error": message}} to OUT.pt.
 """
 
+import os
 import sys
+import warnings
 
 import torch
 
@@ -16,20 +18,36 @@ from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import build_engine
 
 
+def process_state() -> dict:
+    """What building an engine must leave as it was: the global RNG, warning filters, the environment,
+    transformers' loss functions."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return {"rng": torch.get_rng_state(), "warnings": list(warnings.filters), "environ": dict(os.environ),
+            "loss_mapping": dict(LOSS_MAPPING)}
+
+
+def _same(a, b) -> bool:
+    return bool(torch.equal(a, b)) if torch.is_tensor(a) else a == b
+
+
 def values_of(dist, model_spec: str, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     model_dir, _, options = model_spec.partition("@")
     packing = "packing=false" not in options
     mine = torch.arange(dist.rank, ids.shape[0], dist.world_size)
     config = EngineConfig(model=ModelConfig(path=model_dir),
                           batching=BatchingConfig(packing=packing, micro_batch_tokens=48))
+    before = process_state()
     try:
         with quiet():
             engine = build_engine("veomni", config, dist)
     except ValueError as err:
         return {"error": str(err)}
+    changed = [name for name, value in process_state().items() if not _same(value, before[name])]
     values = gather_rows(dist, mine, engine.compute_values(ids[mine], mask[mine]), ids.shape)
     cfg = engine.model.config
     out = {"values": values, "report": str(engine.load_report), "critic_class": type(engine.model).__name__,
+           "changed_process_state": changed,
            "dropouts": {k: getattr(cfg, k, None) for k in ("hidden_dropout", "classifier_dropout")}}
     engine.close()
     return out
