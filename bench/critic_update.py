@@ -8,6 +8,7 @@
 (b) padded-tokencls *ForTokenClassification, micro-batches of consecutive rows of the padded batch
 (c) sorted-tokencls (b) with rows sorted by length and each micro-batch trimmed to its longest row
 (d) engine          FSDPCriticEngine (world of one): packed rows, per-sequence attention, token budget
+(e) veomni-engine   VeOmniCriticEngine (world of one), the same settings: the critic built by VeOmni
 Each step is a full update: forward, clipped value loss (normalised over the mini-batch), backward,
 AdamW. The values pass is what PPO runs over every rollout batch before its updates: a forward-only
 (no_grad) compute of the critic's values, with the same micro-batches. Reported: valid (non-padding) tokens per second, peak memory, and for (d) the achieved FLOP/s
@@ -166,6 +167,7 @@ def build(workdir: str, sequences: int):
     from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
     from critic_adapters.common.distributed import init_distributed
     from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+    from critic_adapters.backends.veomni.engine import VeOmniCriticEngine
 
     torch.manual_seed(0)
     causal = AutoModelForCausalLM.from_config(Qwen2Config(**MODEL))
@@ -178,10 +180,13 @@ def build(workdir: str, sequences: int):
         trl.v_head.summary.bias.copy_(critic_head(critic).bias)
     batch = make_batch(sequences)
     budget = ROWS_PER_MICRO_BATCH * batch.input_ids.shape[1]  # the same memory envelope as 4 padded rows
-    engine = FSDPCriticEngine(EngineConfig(
+    engine_config = EngineConfig(
         model=ModelConfig(path=path), optim=OptimConfig(lr=1e-5),
         loss=LossConfig(clip_range=CLIP), batching=BatchingConfig(packing=True, micro_batch_tokens=budget),
-    ), init_distributed())
+    )
+    dist = init_distributed()
+    engine = FSDPCriticEngine(engine_config, dist)
+    veomni = VeOmniCriticEngine(engine_config, dist)
     rows = plan_fixed_size(sequences, ROWS_PER_MICRO_BATCH)
     by_length = sorted(range(sequences), key=lambda i: -int(batch.attention_mask[i].sum()))
     sorted_rows = [by_length[i:i + ROWS_PER_MICRO_BATCH] for i in range(0, sequences, ROWS_PER_MICRO_BATCH)]
@@ -192,12 +197,14 @@ def build(workdir: str, sequences: int):
         "padded-tokencls": lambda: padded_step(critic, critic_opt, batch, rows, trim=False, trl=False),
         "sorted-tokencls": lambda: padded_step(critic, critic_opt, batch, sorted_rows, trim=True, trl=False),
         "engine": lambda: engine.update(batch),
+        "veomni-engine": lambda: veomni.update(batch),
         "values:trl-valuehead": lambda: padded_values(trl, batch, rows, trim=False, trl=True),
         "values:padded-tokencls": lambda: padded_values(critic, batch, rows, trim=False, trl=False),
         "values:sorted-tokencls": lambda: padded_values(critic, batch, sorted_rows, trim=True, trl=False),
         "values:engine": lambda: engine.compute_values(batch.input_ids, batch.attention_mask),
+        "values:veomni-engine": lambda: veomni.compute_values(batch.input_ids, batch.attention_mask),
     }
-    return variants, batch, critic, engine
+    return variants, batch, critic, (engine, veomni)
 
 
 def main(argv=None) -> int:
@@ -210,7 +217,7 @@ def main(argv=None) -> int:
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
 
     with tempfile.TemporaryDirectory() as workdir:
-        variants, batch, critic, engine = build(workdir, args.sequences)
+        variants, batch, critic, engines = build(workdir, args.sequences)
         valid = int(batch.attention_mask.sum())
         padded = batch.attention_mask.numel()
         print(f"batch: {args.sequences} sequences, {valid} valid tokens of {padded} padded "
@@ -231,7 +238,8 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - start)
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
                 f"{n} {t[-1]:.2f}s" for n, t in times.items()), flush=True)
-        engine.close()
+        for engine in engines:
+            engine.close()
 
     median = {name: statistics.median(t) for name, t in times.items()}
     rate = {name: valid / t for name, t in median.items()}
@@ -250,6 +258,8 @@ def main(argv=None) -> int:
         "values_speedup_vs_trl": rate["values:engine"] / rate["values:trl-valuehead"],
         "values_speedup_vs_padded": rate["values:engine"] / rate["values:padded-tokencls"],
         "values_speedup_vs_sorted": rate["values:engine"] / rate["values:sorted-tokencls"],
+        "veomni_vs_fsdp_engine": rate["veomni-engine"] / rate["engine"],
+        "values_veomni_vs_fsdp_engine": rate["values:veomni-engine"] / rate["values:engine"],
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -259,6 +269,8 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=2)
     print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
+    print(f"veomni vs fsdp engine: {result['veomni_vs_fsdp_engine']:.2f} (values pass: "
+          f"{result['values_veomni_vs_fsdp_engine']:.2f})")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['speedup_vs_sorted']:.2f}, "
           f"peak fraction: {result['peak_fraction']:.2f}")
