@@ -37,12 +37,14 @@ def release_parallel_state() -> None:
 
 
 def mixed_precision_config(config: EngineConfig):
-    """bf16: bf16 parameters and compute, fp32 gradient reduction and fp32 outputs (so values are fp32)."""
+    """bf16: bf16 parameters and compute (the head too: VeOmni applies one policy to every FSDP unit,
+    and the root holds embeddings, final norm and head), fp32 gradient reduction; values are cast to
+    fp32 after the head. An fp32 output_dtype would cast each layer's output up, and the root's bf16
+    head then refuses the fp32 input."""
     from veomni.arguments.arguments_types import MixedPrecisionConfig
 
     if config.mixed_precision == "bf16":
-        return MixedPrecisionConfig(enable=True, param_dtype="bfloat16", reduce_dtype="float32",
-                                    output_dtype="float32")
+        return MixedPrecisionConfig(enable=True, param_dtype="bfloat16", reduce_dtype="float32")
     return MixedPrecisionConfig(enable=False)
 
 

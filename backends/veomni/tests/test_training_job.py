@@ -1,5 +1,6 @@
 """The VeOmni launcher end to end on 2 gloo processes: the default job learns; a killed run resumes to
-bit-identical weights; a 2-rank run's checkpoint resumes on 1 rank."""
+bit-identical weights; a 2-rank run's checkpoint resumes on 1 rank; bf16 mixed precision with
+gradient checkpointing trains."""
 
 import json
 import os
@@ -84,6 +85,17 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
     assert final_ev(resumed.stdout) >= 0.3
     steps = [r["step"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     assert steps == list(range(1, 31)), steps
+
+
+def test_bf16_mixed_precision_and_gradient_checkpointing_train(tmp_path):
+    """VeOmni's FSDP2 mixed-precision policy (bf16 compute, fp32 reduce) with activation recompute."""
+    run_dir = tmp_path / "bf16"
+    result = run_launcher("--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT, "engine.mixed_precision=bf16",
+                          "engine.gradient_checkpointing=true", "trainer.export_hf=false")
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [r["value_loss"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, "value loss did not go down"
+    assert final_ev(result.stdout) >= 0.3
 
 
 if __name__ == "__main__":
