@@ -9,6 +9,7 @@
 (c) sorted-tokencls (b) with rows sorted by length and each micro-batch trimmed to its longest row
 (d) engine          FSDPCriticEngine (world of one): packed rows, per-sequence attention, token budget
 (e) megatron        MegatronCriticEngine (world of one, TP 1): the same batch, weights and token budget
+(f) veomni-engine   VeOmniCriticEngine (world of one), the same settings: the critic built by VeOmni
 Each step is a full update: forward, clipped value loss (normalised over the mini-batch), backward,
 AdamW. The values pass is what PPO runs over every rollout batch before its updates: a forward-only
 (no_grad) compute of the critic's values, with the same micro-batches. Reported: valid (non-padding) tokens per second, peak memory, and for (d) the achieved FLOP/s
@@ -187,6 +188,7 @@ def build(workdir: str, sequences: int):
     dist = init_distributed()
     engine = FSDPCriticEngine(engine_config, dist)
     megatron = build_engine("megatron", engine_config, dist)
+    veomni = build_engine("veomni", engine_config, dist)
     rows = plan_fixed_size(sequences, ROWS_PER_MICRO_BATCH)
     by_length = sorted(range(sequences), key=lambda i: -int(batch.attention_mask[i].sum()))
     sorted_rows = [by_length[i:i + ROWS_PER_MICRO_BATCH] for i in range(0, sequences, ROWS_PER_MICRO_BATCH)]
@@ -197,13 +199,15 @@ def build(workdir: str, sequences: int):
         "padded-tokencls": lambda: padded_step(critic, critic_opt, batch, rows, trim=False, trl=False),
         "sorted-tokencls": lambda: padded_step(critic, critic_opt, batch, sorted_rows, trim=True, trl=False),
         "engine": lambda: engine.update(batch),
+        "veomni-engine": lambda: veomni.update(batch),
         "values:trl-valuehead": lambda: padded_values(trl, batch, rows, trim=False, trl=True),
         "values:padded-tokencls": lambda: padded_values(critic, batch, rows, trim=False, trl=False),
         "values:sorted-tokencls": lambda: padded_values(critic, batch, sorted_rows, trim=True, trl=False),
         "values:engine": lambda: engine.compute_values(batch.input_ids, batch.attention_mask),
         "megatron": lambda: megatron.update(batch),
+        "values:veomni-engine": lambda: veomni.compute_values(batch.input_ids, batch.attention_mask),
     }
-    return variants, batch, critic, (engine, megatron)
+    return variants, batch, critic, (engine, megatron, veomni)
 
 
 def main(argv=None) -> int:
@@ -258,6 +262,8 @@ def main(argv=None) -> int:
         "values_speedup_vs_padded": rate["values:engine"] / rate["values:padded-tokencls"],
         "values_speedup_vs_sorted": rate["values:engine"] / rate["values:sorted-tokencls"],
         "megatron_vs_fsdp": rate["megatron"] / rate["engine"],
+        "veomni_vs_fsdp_engine": rate["veomni-engine"] / rate["engine"],
+        "values_veomni_vs_fsdp_engine": rate["values:veomni-engine"] / rate["values:engine"],
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -268,6 +274,8 @@ def main(argv=None) -> int:
     print(f"megatron vs fsdp engine: {result['megatron_vs_fsdp']:.2f}")
     print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
+    print(f"veomni vs fsdp engine: {result['veomni_vs_fsdp_engine']:.2f} (values pass: "
+          f"{result['values_veomni_vs_fsdp_engine']:.2f})")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['speedup_vs_sorted']:.2f}, "
           f"peak fraction: {result['peak_fraction']:.2f}")

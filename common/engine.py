@@ -95,6 +95,7 @@ class CriticEngine(Protocol):
 BACKENDS: dict[str, str] = {
     "fsdp": ".backends.fsdp.engine:FSDPCriticEngine",
     "megatron": ".backends.megatron.engine:MegatronCriticEngine",
+    "veomni": ".backends.veomni.engine:VeOmniCriticEngine",
 }
 # The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
 PACKAGE_ROOT = __package__.rpartition(".")[0]

@@ -102,7 +102,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
 
 def test_dry_run_with_an_unregistered_backend(tmp_path):
     refused(run_launcher("--dry-run", "backend=deepspeed", f"trainer.run_dir={tmp_path}"),
-            "backend='deepspeed' is not registered; available: fsdp, megatron")
+            "backend='deepspeed' is not registered; available: fsdp, megatron, veomni")
 
 
 def test_flags_after_overrides(tmp_path):

@@ -1,0 +1,1 @@
+"""VeOmni critic engine (build_foundation_model + FSDP2 through VeOmni), checkpointing and launcher."""

@@ -1,0 +1,72 @@
+"""CPU compatibility for VeOmni 0.1.12: every workaround this backend needs when CUDA is absent.
+
+VeOmni assumes an accelerator in a few places (measured in shared/notes/veomni-feasibility.md).
+Everything here is used only when `cpu_mode()` is True; on GPU the engine calls VeOmni plainly.
+Nothing here patches VeOmni or torch: each workaround is a choice of arguments or a small piece of
+VeOmni's own logic done for it.
+
+  1. Kernels: `OpsImplementationConfig()` defaults to triton / liger / flash-attention and raises on
+     a machine without them; there is no CPU fallback. `ops_implementation()` asks for eager kernels.
+  2. Process group: VeOmni's `get_dist_comm_backend()` has no gloo branch (utils/device.py:79-88);
+     the engine joins the group common.distributed made (gloo on CPU) before VeOmni is called, and
+     VeOmni never creates one itself on this path.
+  3. One process: `build_parallelize_model` refuses every `init_device` but cuda/npu/mlu when FSDP
+     is off (torch_parallelize.py:799, fsdp_size == 1), although with FSDP off it uses the flag for
+     nothing else. `parallelize_one_rank()` does what VeOmni does there: the fp32 upcast and
+     non-reentrant gradient checkpointing.
+  4. Ulysses: VeOmni's sequence-parallel attention is flash-attention / flex-attention /
+     magi-attention with all-to-all around it; none of them has a CPU backward, so
+     engine.parallel.ulysses > 1 is refused on CPU (`check_ulysses`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cpu_mode() -> bool:
+    """True when the workarounds apply: no CUDA."""
+    return not torch.cuda.is_available()
+
+
+# Every kernel choice of OpsImplementationConfig that has a GPU-only default (arguments_types.py:1106-1210).
+_EAGER_KERNELS = ("moe_implementation", "cross_entropy_loss_implementation", "rms_norm_implementation",
+                  "swiglu_mlp_implementation", "rotary_pos_emb_implementation",
+                  "rotary_pos_emb_vision_implementation", "load_balancing_loss_implementation",
+                  "rms_norm_gated_implementation", "causal_conv1d_implementation",
+                  "chunk_gated_delta_rule_implementation")
+
+
+def ops_implementation(attn_implementation: str):
+    """VeOmni's kernel selection for this machine: all eager on CPU; VeOmni's defaults on GPU.
+
+    `attn_implementation` is set after construction: VeOmni's __post_init__ validates only its own
+    names, and ours (critic_packed_attention) is registered with transformers' AttentionInterface.
+    """
+    from veomni.arguments.arguments_types import OpsImplementationConfig
+
+    if cpu_mode():
+        ops = OpsImplementationConfig(attn_implementation="sdpa", **{name: "eager" for name in _EAGER_KERNELS})
+    else:
+        ops = OpsImplementationConfig(attn_implementation="sdpa")
+    ops.attn_implementation = attn_implementation
+    return ops
+
+
+def parallelize_one_rank(model: torch.nn.Module, *, gradient_checkpointing: bool) -> torch.nn.Module:
+    """What build_parallelize_model does when FSDP is off (one data-parallel rank), for CPU, where it
+    refuses to run (see 3. above): gradient checkpointing, non-reentrant. Mixed precision is
+    FSDP2's policy in VeOmni, so with one rank there is none (the engine warns)."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def check_ulysses(ulysses: int) -> None:
+    """ValueError for Ulysses sequence parallelism on CPU (see 4. above)."""
+    if ulysses > 1 and cpu_mode():
+        raise ValueError(
+            f"engine.parallel.ulysses={ulysses} needs VeOmni's sequence-parallel attention "
+            f"(veomni_flash_attention_*_with_sp, veomni_flex_attention_with_sp), which has no CPU implementation "
+            f"(flash-attention is CUDA-only and torch's flex attention has no CPU backward); set "
+            f"engine.parallel.ulysses=1 on CPU, or run on GPUs")

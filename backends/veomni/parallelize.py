@@ -1,0 +1,107 @@
+"""VeOmni's parallel state, FSDP2 parallelisation, optimizer and LR schedule for the critic.
+
+The one boundary between our EngineConfig and VeOmni's arguments: every VeOmni builder the engine
+uses is called from here, with arguments translated from common.config.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import compat
+from ...common.config import EngineConfig, OptimConfig
+
+def init_parallel_state(world_size: int, ulysses: int):
+    """VeOmni's device mesh: data parallel (FSDP2 shards over it) x Ulysses; returns the state.
+
+    VeOmni keeps it in a process global (the "ambient" state its builders read) and caches it by
+    topology; the engine holds it and makes it ambient around every VeOmni call (`use_parallel_state`).
+    """
+    from veomni.distributed import parallel_state
+
+    dp_size = world_size // ulysses
+    device_type = "cpu" if compat.cpu_mode() else None  # None: VeOmni's get_device_type()
+    return parallel_state.init_parallel_state(
+        dp_size=dp_size, dp_replicate_size=1, dp_shard_size=dp_size, ulysses_size=ulysses, dp_mode="fsdp2",
+        device_type=device_type, name=None)
+
+
+def release_parallel_state() -> None:
+    """Forget VeOmni's parallel states (its ambient global, topology cache and registry), so that no
+    later engine reuses a device mesh of a process group that is about to be destroyed."""
+    from veomni.distributed import parallel_state
+
+    parallel_state.clear_parallel_state()
+
+
+def mixed_precision_config(config: EngineConfig):
+    """bf16: bf16 parameters and compute (the head too: VeOmni applies one policy to every FSDP unit,
+    and the root holds embeddings, final norm and head), fp32 gradient reduction; values are cast to
+    fp32 after the head. An fp32 output_dtype would cast each layer's output up, and the root's bf16
+    head then refuses the fp32 input."""
+    from veomni.arguments.arguments_types import MixedPrecisionConfig
+
+    if config.mixed_precision == "bf16":
+        return MixedPrecisionConfig(enable=True, param_dtype="bfloat16", reduce_dtype="float32")
+    return MixedPrecisionConfig(enable=False)
+
+
+def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool, weights_path: str | None):
+    """FSDP2 through VeOmni's build_parallelize_model (the model is on meta and its weights are read
+    by rank 0 from `weights_path`, then broadcast into every rank's shards); with one data-parallel
+    rank, VeOmni's own FSDP-off path, or compat's on CPU."""
+    from veomni.distributed.torch_parallelize import build_parallelize_model
+
+    if not fsdp:
+        if config.mixed_precision != "none":
+            warnings.warn(f"engine.mixed_precision={config.mixed_precision} is ignored with one data-parallel rank: "
+                          f"VeOmni applies mixed precision through FSDP2, which it uses with 2 or more ranks",
+                          stacklevel=3)
+        if compat.cpu_mode():
+            return compat.parallelize_one_rank(model, gradient_checkpointing=config.gradient_checkpointing)
+        return build_parallelize_model(model, init_device="cuda", weights_path=None,
+                                       mixed_precision=mixed_precision_config(config),
+                                       enable_gradient_checkpointing=config.gradient_checkpointing,
+                                       enable_reentrant=False)
+    return build_parallelize_model(
+        model,
+        init_device="meta",
+        weights_path=weights_path,
+        broadcast_model_weights_from_rank0=True,
+        mixed_precision=mixed_precision_config(config),
+        enable_gradient_checkpointing=config.gradient_checkpointing,
+        enable_reentrant=False,
+        basic_modules=list(model._no_split_modules or []),
+        enable_fsdp_offload=config.cpu_offload,
+    )
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """VeOmni's AdamW (fused kernel: one pass over all parameters)."""
+    from veomni.optim import build_optimizer as veomni_build_optimizer
+
+    return veomni_build_optimizer(model, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                  weight_decay=optim.weight_decay, fused=True, optimizer_type="adamw")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig):
+    """VeOmni's warmup + constant/cosine schedule.
+
+    VeOmni counts warmup as a fraction of the total steps (int(total * ratio)), so the ratio is
+    nudged by half a step to land on optim.warmup_steps exactly. Its warmup rises linearly from
+    `lr_start`; starting at lr / warmup_steps keeps the first step from running at lr 0.
+    """
+    from veomni.optim import build_lr_scheduler as veomni_build_lr_scheduler
+
+    warmup = optim.warmup_steps
+    if optim.lr_schedule == "cosine":
+        assert optim.total_steps is not None, "cosine schedule needs optim.total_steps (the launcher fills it in)"
+        total = optim.total_steps
+    else:
+        total = max(optim.total_steps or 0, warmup, 1)
+    return veomni_build_lr_scheduler(
+        optimizer, train_steps=total, lr=optim.lr, lr_decay_style=optim.lr_schedule,
+        lr_warmup_ratio=(warmup + 0.5) / total if warmup else 0.0, lr_min=optim.min_lr_ratio * optim.lr,
+        lr_start=optim.lr / warmup if warmup else 0.0)

@@ -1,0 +1,1 @@
+"""Tests of the VeOmni engine (multi-process ones launch torchrun themselves)."""

@@ -1,0 +1,176 @@
+"""The critic built by VeOmni: config from the shared hook, weights in the TokenCls layout, and a
+guarded dispatch that cannot silently yield a causal LM.
+
+  any checkpoint load_critic reads --load_critic + save_critic (rank 0)--> TokenCls directory
+  common.valuehead.critic_config --> build_foundation_model (VeOmni's registry picks the class)
+  --> check_critic_form: the class, no lm_head, a [1, H] head, nothing on meta, [B, T, 1] on a probe
+
+VeOmni builds a model from `config.architectures` through a per-family registry function. Its
+fallback for an architecture it does not recognise is the family's *ForCausalLM (0.1.12
+qwen2/__init__.py:35), and 0.1.10 / 0.1.11 do not recognise *ForTokenClassification at all: a critic
+asked for the naive way comes out as a [B, T, vocab] causal LM. The check after the build turns
+any such build into an error naming the VeOmni version and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+
+import torch
+
+from ...common.packed_attention import sequence_bounds
+from ...common.valuehead import LoadReport, load_critic, save_critic
+from ...common.valuehead.config import architecture_name, head_name
+
+VEOMNI_REQUIREMENT = "veomni==0.1.12"
+
+
+def veomni_version() -> str:
+    from veomni import __version__
+
+    return __version__
+
+
+def modeling_backend() -> str:
+    """'veomni' (its patched modeling classes, from its registry) or 'hf' (transformers' classes),
+    as VeOmni reads it from the MODELING_BACKEND environment variable."""
+    from veomni.utils.env import get_env
+
+    return get_env("MODELING_BACKEND")
+
+
+@contextlib.contextmanager
+def quiet_veomni():
+    """VeOmni's INFO lines (one per tensor loaded, per kernel bound) off inside the block; its
+    logger's level is restored after, so the process's logging stays as it was."""
+    logger = logging.getLogger("veomni")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def check_family_registered(config) -> None:
+    """ValueError for a model type VeOmni has no modeling for, before anything is built."""
+    from veomni.models.loader import MODELING_REGISTRY
+
+    if modeling_backend() == "hf" or config.model_type in MODELING_REGISTRY.valid_keys():
+        return
+    raise ValueError(
+        f"VeOmni {veomni_version()} has no modeling for model_type {config.model_type!r} (it has: "
+        f"{', '.join(sorted(MODELING_REGISTRY.valid_keys()))}). Run with the environment variable "
+        f"MODELING_BACKEND=hf to build it from transformers' classes through VeOmni (set it yourself: VeOmni "
+        f"reads it process-wide, so the engine does not), or use backend=fsdp for this family")
+
+
+def write_token_classification_weights(path: str, out_dir: str, *, load_kwargs: dict) -> LoadReport:
+    """Any checkpoint load_critic reads -> `out_dir` in the HF *ForTokenClassification layout (fp32),
+    which VeOmni's loader reads by parameter name. Returns load_critic's report."""
+    critic, report = load_critic(path, torch_dtype=torch.float32, **load_kwargs)
+    save_critic(critic, out_dir, overwrite=True)
+    del critic
+    return report
+
+
+def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,
+                 init_device: str) -> torch.nn.Module:
+    """VeOmni's build_foundation_model on the critic config (a copy: VeOmni writes into it).
+
+    VeOmni installs its loss wrappers into transformers' LOSS_MAPPING (cross_entropy/__init__.py:
+    install_loss_mapping; they return a 3-tuple where transformers' return a tensor), which would change
+    every causal LM's loss in this process. The critic computes no transformers loss (no labels
+    are ever passed), so the mapping is put back as it was after the build.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from veomni.models.auto import build_foundation_model
+
+    from . import compat
+
+    saved_losses = dict(LOSS_MAPPING)
+    try:
+        return build_foundation_model(config_path=copy.deepcopy(critic_cfg), weights_path=weights_path,
+                                      torch_dtype=dtype, init_device=init_device,
+                                      ops_implementation=compat.ops_implementation(attn_implementation))
+    finally:
+        LOSS_MAPPING.clear()
+        LOSS_MAPPING.update(saved_losses)
+
+
+def _dispatch_error(what: str, model: torch.nn.Module, expected: str) -> ValueError:
+    return ValueError(
+        f"VeOmni {veomni_version()} built {type(model).__module__}.{type(model).__name__} for a critic "
+        f"({expected} was asked for through config.architectures): {what}. VeOmni falls back to the family's "
+        f"*ForCausalLM when its registry does not map *ForTokenClassification (veomni 0.1.10 and 0.1.11 never do); "
+        f"install {VEOMNI_REQUIREMENT} (tools/setup.sh), or use backend=fsdp for this family")
+
+
+def check_class(model: torch.nn.Module, critic_cfg) -> None:
+    """The critic class, no vocab projection, a [1, H] head. Local: no collective."""
+    expected = architecture_name(critic_cfg)
+    if type(model).__name__ != expected:
+        raise _dispatch_error(f"its class is {type(model).__name__}, not {expected}", model, expected)
+    projections = [name for name, _ in model.named_modules() if name.split(".")[-1] == "lm_head"]
+    if projections:
+        raise _dispatch_error(f"it has a vocab projection {projections}", model, expected)
+    head = getattr(model, head_name(critic_cfg), None)
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        raise _dispatch_error(f"its head {head_name(critic_cfg)!r} is {head!r}, not Linear(H, 1)", model, expected)
+
+
+def check_materialized(model: torch.nn.Module) -> None:
+    """No parameter or buffer left on the meta device (VeOmni's cpu init on a rank VeOmni thinks is not
+    rank 0 builds an all-meta model without an error, auto.py:329)."""
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"VeOmni {veomni_version()} left {len(on_meta)} tensors of the critic on the meta device "
+            f"(e.g. {on_meta[:3]}): its weights were never loaded. VeOmni skips loading when it does not see this "
+            f"process as rank 0 (no process group, or init_device=cpu on another rank); build the engine "
+            f"through common.engine.build_engine after common.distributed.init_distributed")
+
+
+@torch.no_grad()
+def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device) -> None:
+    """A [1, 4] probe gives [1, 4, 1] real (not meta) outputs. Every rank runs it (FSDP collectives)."""
+    expected = architecture_name(critic_cfg)
+    ids = torch.arange(4, device=device)[None] % critic_cfg.get_text_config().vocab_size
+    positions = torch.arange(4, device=device)[None]
+    was_training = model.training
+    model.eval()
+    with sequence_bounds(positions):
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    model.train(was_training)
+    if logits.is_meta:
+        raise _dispatch_error("its output on a probe is on the meta device (weights never loaded)", model, expected)
+    if tuple(logits.shape) != (1, 4, 1):
+        raise _dispatch_error(f"on a [1, 4] probe it returns {list(logits.shape)}, not [1, 4, 1]", model, expected)
+
+
+# Attributes build_foundation_model writes into the model's config (auto.py:285-306): VeOmni's own
+# switches, not part of the model, so an exported config.json must not carry them.
+VEOMNI_CONFIG_FIELDS = ("encoder_data_balance", "encoder_data_balance_sorting_algo")
+
+
+@contextlib.contextmanager
+def without_veomni_fields(config):
+    """`config` without VeOmni's switches inside the block (for save_critic); restored after."""
+    saved = {name: getattr(config, name) for name in VEOMNI_CONFIG_FIELDS if hasattr(config, name)}
+    for name in saved:
+        delattr(config, name)
+    try:
+        yield config
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def remove_dir(path: str) -> None:
+    import shutil
+
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
