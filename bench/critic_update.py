@@ -1,6 +1,8 @@
-"""Benchmark one critic update step, and one values pass, four ways, side by side in one process on the same data and weights.
+"""Benchmark one critic update step and one values pass, several ways, side by side in one process on
+the same data and weights.
 
   python -m critic_adapters.bench.critic_update [--repeats 3] [--sequences 16] [--out docs/bench.json]
+                                                [--backends megatron,veomni]   (engines beside FSDP's)
   python bench/critic_update.py ...                  (the same, run as a file)
   bazel run //bench:critic_update -- ...             (paths are relative to where you run it)
 
@@ -12,9 +14,9 @@
 (f) veomni-engine   VeOmniCriticEngine (world of one), the same settings: the critic built by VeOmni
 Each step is a full update: forward, clipped value loss (normalised over the mini-batch), backward,
 AdamW. The values pass is what PPO runs over every rollout batch before its updates: a forward-only
-(no_grad) compute of the critic's values, with the same micro-batches. Reported: valid (non-padding) tokens per second, peak memory, and for (d) the achieved FLOP/s
-against a torch matmul peak measured in the same run. Variants run round-robin per repeat, and the
-numbers are medians over repeats.
+(no_grad) compute of the critic's values, with the same micro-batches. Reported: valid (non-padding)
+tokens per second, peak memory, and for (d) the achieved FLOP/s against a torch matmul peak
+measured in the same run. Variants run round-robin per repeat; the numbers are medians over repeats.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def matmul_peak(repeats: int = 5, size: int = 2048) -> float:
     return 2 * size ** 3 / statistics.median(times)
 
 
-def build(workdir: str, sequences: int):
+def build(workdir: str, sequences: int, other_backends: list[str]):
     from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
     from critic_adapters.common.distributed import init_distributed
     from critic_adapters.common.engine import build_engine
@@ -187,8 +189,8 @@ def build(workdir: str, sequences: int):
     )
     dist = init_distributed()
     engine = FSDPCriticEngine(engine_config, dist)
-    megatron = build_engine("megatron", engine_config, dist)
-    veomni = build_engine("veomni", engine_config, dist)
+    # Other backends' engines, side by side with the FSDP one (same weights, batch and budget).
+    others = {name: build_engine(name, engine_config, dist) for name in other_backends}
     rows = plan_fixed_size(sequences, ROWS_PER_MICRO_BATCH)
     by_length = sorted(range(sequences), key=lambda i: -int(batch.attention_mask[i].sum()))
     sorted_rows = [by_length[i:i + ROWS_PER_MICRO_BATCH] for i in range(0, sequences, ROWS_PER_MICRO_BATCH)]
@@ -199,15 +201,18 @@ def build(workdir: str, sequences: int):
         "padded-tokencls": lambda: padded_step(critic, critic_opt, batch, rows, trim=False, trl=False),
         "sorted-tokencls": lambda: padded_step(critic, critic_opt, batch, sorted_rows, trim=True, trl=False),
         "engine": lambda: engine.update(batch),
-        "veomni-engine": lambda: veomni.update(batch),
         "values:trl-valuehead": lambda: padded_values(trl, batch, rows, trim=False, trl=True),
         "values:padded-tokencls": lambda: padded_values(critic, batch, rows, trim=False, trl=False),
         "values:sorted-tokencls": lambda: padded_values(critic, batch, sorted_rows, trim=True, trl=False),
         "values:engine": lambda: engine.compute_values(batch.input_ids, batch.attention_mask),
-        "megatron": lambda: megatron.update(batch),
-        "values:veomni-engine": lambda: veomni.compute_values(batch.input_ids, batch.attention_mask),
     }
-    return variants, batch, critic, (engine, megatron, veomni)
+    if "megatron" in others:
+        variants["megatron"] = lambda: others["megatron"].update(batch)
+    if "veomni" in others:
+        variants["veomni-engine"] = lambda: others["veomni"].update(batch)
+        variants["values:veomni-engine"] = lambda: others["veomni"].compute_values(batch.input_ids,
+                                                                                 batch.attention_mask)
+    return variants, batch, critic, (engine, *others.values())
 
 
 def main(argv=None) -> int:
@@ -215,12 +220,15 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--backends", default="megatron,veomni",
+                        help="other engines to run beside the FSDP one (comma-separated; '' for none)")
     args = parser.parse_args(argv)
+    other_backends = [name for name in args.backends.split(",") if name]
     if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run`: --out is relative to the user's directory
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
 
     with tempfile.TemporaryDirectory() as workdir:
-        variants, batch, critic, engines = build(workdir, args.sequences)
+        variants, batch, critic, engines = build(workdir, args.sequences, other_backends)
         valid = int(batch.attention_mask.sum())
         padded = batch.attention_mask.numel()
         print(f"batch: {args.sequences} sequences, {valid} valid tokens of {padded} padded "
@@ -261,9 +269,10 @@ def main(argv=None) -> int:
         "values_speedup_vs_trl": rate["values:engine"] / rate["values:trl-valuehead"],
         "values_speedup_vs_padded": rate["values:engine"] / rate["values:padded-tokencls"],
         "values_speedup_vs_sorted": rate["values:engine"] / rate["values:sorted-tokencls"],
-        "megatron_vs_fsdp": rate["megatron"] / rate["engine"],
-        "veomni_vs_fsdp_engine": rate["veomni-engine"] / rate["engine"],
-        "values_veomni_vs_fsdp_engine": rate["values:veomni-engine"] / rate["values:engine"],
+        **({"megatron_vs_fsdp": rate["megatron"] / rate["engine"]} if "megatron" in rate else {}),
+        **({"veomni_vs_fsdp_engine": rate["veomni-engine"] / rate["engine"],
+            "values_veomni_vs_fsdp_engine": rate["values:veomni-engine"] / rate["values:engine"]}
+           if "veomni-engine" in rate else {}),
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -271,11 +280,13 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"megatron vs fsdp engine: {result['megatron_vs_fsdp']:.2f}")
+    if "megatron_vs_fsdp" in result:
+        print(f"megatron vs fsdp engine: {result['megatron_vs_fsdp']:.2f}")
     print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
-    print(f"veomni vs fsdp engine: {result['veomni_vs_fsdp_engine']:.2f} (values pass: "
-          f"{result['values_veomni_vs_fsdp_engine']:.2f})")
+    if "veomni_vs_fsdp_engine" in result:
+        print(f"veomni vs fsdp engine: {result['veomni_vs_fsdp_engine']:.2f} (values pass: "
+              f"{result['values_veomni_vs_fsdp_engine']:.2f})")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['speedup_vs_sorted']:.2f}, "
           f"peak fraction: {result['peak_fraction']:.2f}")
