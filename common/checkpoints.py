@@ -20,6 +20,8 @@ import re
 import shutil
 from collections.abc import Iterable
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from .atomic_dir import commit_staging_dir, make_staging_dir
 from .distributed import all_reduce, barrier, broadcast_object
 
@@ -106,11 +108,13 @@ def staged_checkpoint(directory: str, *, is_main: bool, group=None):
     if staging is not None:
         try:
             yield staging
-        except (KeyboardInterrupt, SystemExit, GeneratorExit):
-            if is_main:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if _interrupted(err):  # every rank got the signal: no collective, just leave
+                if is_main:
+                    shutil.rmtree(staging, ignore_errors=True)
+                if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                    raise
+                raise KeyboardInterrupt from err
             error = err  # reported to every rank below, then re-raised here
     (failed_anywhere,) = all_reduce([float(error is not None)], op="max", group=group)
     if failed_anywhere:
@@ -123,6 +127,15 @@ def staged_checkpoint(directory: str, *, is_main: bool, group=None):
     if is_main:
         commit_staging_dir(staging, directory)
     barrier(group)  # the rename is done before any rank looks for the checkpoint
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Ctrl-C or exit, also when DCP wrapped it into a CheckpointException mid-save."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return True
+    if isinstance(err, CheckpointException):
+        return any(isinstance(failure, (KeyboardInterrupt, SystemExit)) for failure, _ in err.failures.values())
+    return False
 
 
 def write_meta(staging: str, fingerprint: dict, **details) -> None:
