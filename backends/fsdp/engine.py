@@ -7,7 +7,6 @@ common/engine.py. Every rank is a data-parallel rank (the backend implements no 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import warnings
@@ -17,19 +16,18 @@ import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import checkpoint
 from .parallelize import parallelize_critic
 from .sharded_load import load_sharded_critic
-from ...common import packed_attention
+from ...common import fsdp2_shared, packed_attention
 from ...common.batching import MicroBatch
 from ...common.config import EngineConfig
-from ...common.distributed import DistContext, all_reduce, barrier
+from ...common.distributed import DistContext, barrier
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ...common.fsdp2_shared import forward_micro_batch, quiet_fsdp_views
 from ...common.schedule import build_scheduler
 from ...common.update_step import StepStats, plan_step, step_micro_batches
 from ...common.valuehead import save_critic
 from ...common.valuehead.attention import flash_attention_available
-from ...common.valuehead.values import compute_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,13 +41,6 @@ def attention_for(config: EngineConfig) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _quiet_fsdp_views():
-    # FSDP2 warns that a wrapped module returns a view (the head's output): harmless here, as values
-    # are never modified in place. Scoped, so the process's warning filters stay as they were.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-        yield
 
 
 class FSDPCriticEngine:
@@ -94,16 +85,7 @@ class FSDPCriticEngine:
         return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
 
     def _forward(self, mb: MicroBatch, row_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output)."""
-        device = self.dist.device
-        with _quiet_fsdp_views():
-            values = compute_values(
-                self.model,
-                mb.input_ids.to(device),
-                None if mb.attention_mask is None else mb.attention_mask.to(device),
-                None if mb.position_ids is None else mb.position_ids.to(device),
-            )
-        return mb.unpack(values, row_length), values
+        return forward_micro_batch(self.model, mb, row_length, self.dist.device)
 
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -134,7 +116,7 @@ class FSDPCriticEngine:
             loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                           batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
             # FSDP averages gradients over DP ranks; the loss is already the global mean, so undo that.
-            with _quiet_fsdp_views():
+            with quiet_fsdp_views():
                 (loss * self.dp_size).backward()
         return stats
 
@@ -161,19 +143,13 @@ class FSDPCriticEngine:
         return float(norm)
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
-        checkpoint.save_checkpoint(directory, self, extra_state or {})
+        fsdp2_shared.save_checkpoint(directory, self, extra_state or {}, backend="fsdp")
 
     def checkpoint_bytes(self) -> int:
-        """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
-        tensors = list(self.model.parameters())
-        tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        local = sum(s.numel() * s.element_size() for s in shards)
-        (total,) = all_reduce([float(local)], group=self.dp_group)
-        return int(total) + 2**20
+        return fsdp2_shared.checkpoint_bytes(self)
 
     def load_checkpoint(self, directory: str) -> dict:
-        return checkpoint.load_checkpoint(directory, self)
+        return fsdp2_shared.load_checkpoint(directory, self)
 
     def export_hf(self, directory: str) -> None:
         """Gather the full weights to rank 0 and write them with save_critic (fp32 master weights)."""

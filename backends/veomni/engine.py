@@ -13,29 +13,27 @@ time; close() forgets the parallel state.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import pickle
 import tempfile
 import time
-import warnings
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from . import checkpoint, compat, parallelize, value_model
-from ...common import packed_attention
-from ...common.batching import MicroBatch, count_micro_batches, make_micro_batches
+from . import compat, parallelize, value_model
+from ...common import fsdp2_shared, packed_attention
+from ...common.batching import MicroBatch
 from ...common.config import EngineConfig
-from ...common.distributed import DistContext, all_reduce, barrier, broadcast_object
+from ...common.distributed import DistContext, barrier, broadcast_object
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
-from ...common.update_step import StepStats, plan_step
+from ...common.fsdp2_shared import forward_micro_batch, quiet_fsdp_views
+from ...common.update_step import StepStats, plan_step, step_micro_batches
 from ...common.valuehead import save_critic
 from ...common.valuehead.attention import flash_attention_available
 from ...common.valuehead.load import plan_load
-from ...common.valuehead.values import compute_values
 
 
 def check_parallel(config: EngineConfig) -> None:
@@ -76,13 +74,6 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-@contextlib.contextmanager
-def _quiet_fsdp_views():
-    # FSDP2 warns that a wrapped module returns a view (the head's output): harmless here, as values
-    # are never modified in place. Scoped, so the process's warning filters stay as they were.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-        yield
 
 
 class VeOmniCriticEngine:
@@ -105,7 +96,6 @@ class VeOmniCriticEngine:
         except BaseException:
             parallelize.release_parallel_state()
             raise
-        self.fingerprint = checkpoint.fingerprint(self.model)
         with self._veomni(), value_model.quiet_veomni():
             self.optimizer = parallelize.build_optimizer(self.model, config.optim)
             self.scheduler = parallelize.build_lr_scheduler(self.optimizer, config.optim)
@@ -144,7 +134,7 @@ class VeOmniCriticEngine:
                 value_model.check_class(model, self.hf_config)
                 model = parallelize.parallelize(model, self.config, fsdp=fsdp, weights_path=weights_dir)
             value_model.check_materialized(model)
-            with _quiet_fsdp_views():
+            with quiet_fsdp_views():
                 value_model.check_probe_output(model, self.hf_config, device)
             reshard(model)
         finally:
@@ -157,25 +147,10 @@ class VeOmniCriticEngine:
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
-        batching = self.config.batching
-        local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
-                                    micro_batch_size=batching.micro_batch_size)
-        (count,) = all_reduce([local], op="max", group=self.dp_group)
-        return make_micro_batches(input_ids, attention_mask, packing=batching.packing,
-                                  token_budget=batching.micro_batch_tokens,
-                                  micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
 
     def _forward(self, mb: MicroBatch, row_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output)."""
-        device = self.dist.device
-        with _quiet_fsdp_views():
-            values = compute_values(
-                self.model,
-                mb.input_ids.to(device),
-                None if mb.attention_mask is None else mb.attention_mask.to(device),
-                None if mb.position_ids is None else mb.position_ids.to(device),
-            )
-        return mb.unpack(values, row_length), values
+        return forward_micro_batch(self.model, mb, row_length, self.dist.device)
 
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -211,7 +186,7 @@ class VeOmniCriticEngine:
             loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                           batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
             # FSDP averages gradients over DP ranks; the loss is already the global mean, so undo that.
-            with _quiet_fsdp_views():
+            with quiet_fsdp_views():
                 (loss * self.dp_size).backward()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
         grad_norm = self._clip_and_step()
@@ -236,20 +211,14 @@ class VeOmniCriticEngine:
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
         self._reshard()
-        checkpoint.save_checkpoint(directory, self, extra_state or {})
+        fsdp2_shared.save_checkpoint(directory, self, extra_state or {}, backend="veomni")
 
     def checkpoint_bytes(self) -> int:
-        """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
-        tensors = list(self.model.parameters())
-        tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        local = sum(s.numel() * s.element_size() for s in shards)
-        (total,) = all_reduce([float(local)], group=self.dp_group)
-        return int(total) + 2**20
+        return fsdp2_shared.checkpoint_bytes(self)
 
     def load_checkpoint(self, directory: str) -> dict:
         self._reshard()
-        return checkpoint.load_checkpoint(directory, self)
+        return fsdp2_shared.load_checkpoint(directory, self)
 
     def export_hf(self, directory: str) -> None:
         """Gather the full weights to rank 0 and write them with save_critic (fp32 master weights)."""

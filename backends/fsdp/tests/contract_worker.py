@@ -18,7 +18,7 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.backends.fsdp import checkpoint as fsdp_checkpoint
+from critic_adapters.common import fsdp2_shared
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows
 from critic_adapters.common import engine as engine_registry
@@ -27,11 +27,20 @@ from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch
 
 
-def one_dp_rank(config, dist):
-    """An FSDP engine per process, each alone in its data-parallel group: the processes are
+class OneDPRankEngine(FSDPCriticEngine):
+    """An FSDP engine alone in its data-parallel group, on every process: the processes are
     model-parallel peers of one DP rank, so they must all see every row and agree on every number."""
+
+    def save_checkpoint(self, directory, extra_state=None):
+        # The peers hold identical copies: one writes them (two writers of one directory would race).
+        if self.dist.is_main:
+            super().save_checkpoint(directory, extra_state)
+        torch_dist.barrier()
+
+
+def one_dp_rank(config, dist):
     groups = [torch_dist.new_group([rank]) for rank in range(dist.world_size)]  # collective: all ranks, same order
-    return FSDPCriticEngine(config, dist, dp_group=groups[dist.rank])
+    return OneDPRankEngine(config, dist, dp_group=groups[dist.rank])
 
 
 def train(run_dir, backend, overrides):
@@ -59,19 +68,19 @@ def save_fails(model_dir, workdir):
     target = os.path.join(workdir, "checkpoint")
     engine.save_checkpoint(target, {"step": 1})
     engine.update(_batch(dist.rank))
-    real_write_meta = fsdp_checkpoint.write_meta
+    real_write_meta = fsdp2_shared.write_meta
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device (simulated)")
 
     if dist.rank == 0:  # only rank 0 writes the meta file: the others finish their part and wait
-        fsdp_checkpoint.write_meta = full_disk
+        fsdp2_shared.write_meta = full_disk
     error = None
     try:
         engine.save_checkpoint(target, {"step": 2})
     except BaseException as err:  # noqa: BLE001 - the test inspects whatever each rank raised
         error = f"{type(err).__name__}: {err}"
-    fsdp_checkpoint.write_meta = real_write_meta
+    fsdp2_shared.write_meta = real_write_meta
     extra = engine.load_checkpoint(target)  # the previous checkpoint is intact and loads
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
         json.dump({"error": error, "extra": extra, "left": sorted(os.listdir(workdir))}, f)
