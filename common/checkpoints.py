@@ -5,9 +5,13 @@ run_dir/checkpoints/latest         the name of the newest complete one (replaced
 Staging directories of an interrupted save (".step_*.tmp-*") are never read and are cleaned up.
 
 Each backend writes its own shards (DCP, megatron dist_checkpointing, ...) into the staging
-directory; `critic_checkpoint.json`, written last, holds a fingerprint of the critic in Hugging
-Face parameter names and shapes, so checkpoints of the same critic match across backends and
-parallel layouts, and a checkpoint of another model is refused by name.
+directory, plus `trainer_state.pt` (save_trainer_state: LR schedule, the engine's RNG, the caller's
+extra state); `critic_checkpoint.json`, written last, holds a fingerprint of the critic in Hugging
+Face parameter names and shapes (and the transforms that rewrote it), which does not depend on the
+parallel layout: a checkpoint resumes at another layout of the same backend, and a checkpoint of
+another model is refused by name. The fsdp and veomni backends write the same DCP layout and read
+each other's checkpoints; megatron's dist_checkpointing shards are its own (it refuses the others'
+and they refuse its: move between them through hf_export).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import shutil
 from collections.abc import Iterable
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .atomic_dir import commit_staging_dir, make_staging_dir
@@ -83,6 +88,36 @@ def hf_fingerprint(config, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) 
         "num_parameters": sum(_numel(shape) for _, shape in shapes),
         "shapes_sha256": hashlib.sha256(json.dumps(shapes).encode()).hexdigest(),
     }
+
+
+def critic_fingerprint(model, transforms: Iterable[str] = ()) -> dict:
+    """hf_fingerprint of an HF-named critic module (full shapes: DTensor parameters report theirs),
+    plus, when transforms rewrote it, their names and which parameters they left trainable."""
+    params = list(model.named_parameters())
+    fingerprint = hf_fingerprint(model.config, ((name, tuple(p.shape)) for name, p in params))
+    transforms = list(transforms)
+    if transforms:
+        trainable = sorted(name for name, p in params if p.requires_grad)
+        fingerprint["transforms"] = transforms
+        fingerprint["trainable_sha256"] = hashlib.sha256(json.dumps(trainable).encode()).hexdigest()
+    return fingerprint
+
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def save_trainer_state(staging: str, engine, extra_state: dict) -> None:
+    """The engine's LR schedule and own RNG plus the caller's extra state (rank 0 writes it)."""
+    torch.save({"scheduler": engine.scheduler.state_dict(), "rng": engine.generator.get_state(),
+                "extra": extra_state}, os.path.join(staging, TRAINER_STATE))
+
+
+def load_trainer_state(directory: str, engine) -> dict:
+    """Restore what save_trainer_state wrote into `engine`; returns the extra state."""
+    state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=True)
+    engine.scheduler.load_state_dict(state["scheduler"])
+    engine.generator.set_state(state["rng"])
+    return state["extra"]
 
 
 def _numel(shape: list[int]) -> int:

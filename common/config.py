@@ -50,7 +50,7 @@ class OptimConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     total_steps: int | None = None
-    """Optimizer steps the cosine schedule spans; the launcher fills it in from the data when None."""
+    """Optimizer steps the cosine schedule spans; the trainer fills it in from the data when None."""
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -95,8 +95,8 @@ class BatchingConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Model-parallel degrees; data parallel is the world size divided by their product. Each backend
-    refuses, naming the key, a degree it does not implement."""
+    """Model-parallel degrees; data parallel is the world size divided by their product. A degree a
+    backend does not implement is refused, naming the key (common/registry.py: its BackendSpec)."""
 
     tensor: int = 1
     """Tensor-parallel degree (Megatron)."""
@@ -105,9 +105,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism over the tensor-parallel group; needs tensor > 1."""
     context: int = 1
-    """Context-parallel degree (Megatron): the sequence split across ranks in attention."""
+    """Context-parallel degree: the sequence split across ranks in attention (no backend implements
+    it yet)."""
     ulysses: int = 1
-    """Ulysses sequence-parallel degree (VeOmni)."""
+    """Ulysses sequence-parallel degree (no backend implements it yet: each refuses it by key)."""
 
     def __post_init__(self):
         for name in ("tensor", "pipeline", "context", "ulysses"):
@@ -128,19 +129,6 @@ class ParallelConfig:
                 f"context x ulysses = {self.model_parallel_size}; use a multiple of it (--nproc)")
         return world_size // self.model_parallel_size
 
-    def check_supported(self, backend: str, implemented: tuple[str, ...]) -> None:
-        """ValueError naming each degree set above 1 that `backend` does not implement."""
-        unsupported = [f"engine.parallel.{name}={getattr(self, name)}"
-                       for name in ("tensor", "pipeline", "context", "ulysses")
-                       if getattr(self, name) > 1 and name not in implemented]
-        if self.sequence_parallel and "sequence_parallel" not in implemented:
-            unsupported.append("engine.parallel.sequence_parallel=true")
-        if unsupported:
-            offers = ", ".join(implemented) if implemented else "data parallel only"
-            raise ValueError(f"the {backend} backend does not implement {', '.join(unsupported)} (it offers "
-                             f"{offers}); set it back to 1/false, or use backend=megatron (tensor, pipeline, "
-                             f"sequence_parallel) or backend=veomni (ulysses)")
-
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class EngineConfig:
@@ -150,14 +138,20 @@ class EngineConfig:
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     mixed_precision: str = "none"
-    """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 head and values."""
+    """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 values. The fsdp
+    backend keeps the head in fp32; VeOmni applies one policy to every FSDP unit, so its head runs
+    in bf16 (values are cast to fp32 after it)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
     cpu_offload: bool = False
-    """Keep sharded parameters and optimizer state in CPU memory (GPU runs)."""
+    """Keep sharded parameters and optimizer state in CPU memory (GPU runs; ignored, with a warning, on CPU)."""
+    transforms: list[str] = dataclasses.field(default_factory=list)
+    """Model transforms applied between loading the critic and parallelising it, in order
+    (common/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""
     seed: int = 0
 
     def __post_init__(self):
+        self.transforms = list(self.transforms)
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"engine.mixed_precision={self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISION)}")
 

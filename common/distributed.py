@@ -9,8 +9,10 @@ model's collectives run on NCCL. Every collective names its group explicitly.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -42,11 +44,21 @@ def process_group_backend() -> str:
 def init_distributed() -> DistContext:
     """Join (or create) the default process group (see process_group_backend)."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not under torchrun: a world of one
+        # torch.distributed.nn.functional binds `group=group.WORLD` as a default argument when it
+        # is imported: imported once the group exists (megatron and others do), it would hold the
+        # default group for the life of the process (see _release_destroyed_groups). Imported now,
+        # its defaults are None, "the default group at call time".
+        import torch.distributed.nn.functional  # noqa: F401
+        if "RANK" not in os.environ:  # not under torchrun: a world of one, with an in-process store
+            # (no port to bind: a free port picked here can be taken before the bind). The env://
+            # variables are still set for libraries whose helper processes read them (megatron's
+            # checkpoint writer).
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(process_group_backend())
+            dist.init_process_group(process_group_backend(), store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(process_group_backend())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -97,8 +109,51 @@ def barrier(group=None) -> None:
         dist.all_reduce(torch.zeros(1), group=_world(group))
 
 
+def gloo_worker_threads() -> list[int]:
+    """Thread ids of live gloo worker threads in this process (Linux; [] where /proc is missing).
+    Each gloo process group runs two ("pt_gloo_runloop"); none may be left when the interpreter exits."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    found = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, tid, "comm")) as f:
+                if f.read().strip() == "pt_gloo_runloop":
+                    found.append(int(tid))
+        except OSError:  # the thread ended while we looked
+            continue
+    return found
+
+
+def _release_destroyed_groups() -> None:
+    """Drop the references torch keeps to process groups after destroy_process_group().
+
+    destroy_process_group() forgets every group but stops none: a gloo group's worker threads stop
+    only when its last reference goes. Every DeviceMesh keeps its groups (`_pg_registry`), and meshes
+    live on in DTensor's sharding and redistribution caches (DTensorSpec -> mesh) for the life of the
+    process; a closed engine drops its own references, and init_distributed imports the one torch
+    module that would capture the default group in its function defaults before the group exists. Left there, the groups' threads run into interpreter finalization, where a worker that
+    drops the last reference to a finished collective's tensor needs the GIL: CPython ends that
+    thread inside a noexcept destructor and the process aborts with "terminate called without an
+    active exception". Called after destroy_process_group(), when every group is dead anyway.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            obj._pg_registry.clear()
+    gc.collect()  # the groups' destructors join their worker threads, with the interpreter alive
+
+
 def shutdown() -> None:
-    """Leave the process group cleanly (after every engine is closed)."""
+    """Leave the process group cleanly (after every engine is closed): barrier, destroy every group,
+    and stop their worker threads before the interpreter exits (see _release_destroyed_groups)."""
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
+    _release_destroyed_groups()
+    if gloo_worker_threads():
+        warnings.warn(f"{len(gloo_worker_threads())} gloo worker threads outlive destroy_process_group(): "
+                      f"something still holds a process group (an engine not closed?); the process may "
+                      f"abort at exit", RuntimeWarning, stacklevel=2)

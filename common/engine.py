@@ -1,12 +1,14 @@
-"""The engine API every backend implements, and the registry that builds one by name.
+"""The engine API every backend implements (the registry that builds one by name: common/registry.py).
 
 An engine owns a critic, its optimizer and schedule, and its parallelisation. The contract
 (docs/ARCHITECTURE.md, "The engine contract", says the same in one place):
 
-  dp_rank, dp_size, dp_group     this rank's data-parallel coordinates. The trainer gives each DP
-                                 rank its share of every mini-batch (rows[dp_rank::dp_size]); the
-                                 tensor/pipeline/sequence-parallel peers of a DP rank receive the
-                                 same rows. dp_group is None for "all ranks".
+  parallel                       the engine's common.mesh.ParallelMesh: degrees, coordinates and
+                                 the process group of every parallel dimension.
+  dp_rank, dp_size, dp_group     this rank's data-parallel coordinates (parallel's). The trainer
+                                 gives each DP rank its share of every mini-batch
+                                 (rows[dp_rank::dp_size]); the tensor/pipeline/sequence-parallel
+                                 peers of a DP rank receive the same rows.
   compute_values(input_ids, attention_mask) -> float32 [B, T] on CPU, values at every position
                                  (unshifted), for the rows this rank passed; every rank of the DP
                                  rank's model-parallel group returns them (with pipeline parallelism
@@ -25,20 +27,17 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
 Building an engine has no process-wide side effects: no global seeding, warning filters or
 environment changes.
 
-Importing this module imports no backend: the registry maps names to module paths, imported
-only when that backend is built.
+Importing this module imports no backend (common/registry.py imports one only when it is built).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Protocol
 
 import torch
 
-from .config import EngineConfig
-from .distributed import DistContext, all_reduce
+from .distributed import all_reduce
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,6 +68,7 @@ class RolloutBatch:
 
 
 class CriticEngine(Protocol):
+    parallel: object
     dp_rank: int
     dp_size: int
     dp_group: object
@@ -89,24 +89,9 @@ class CriticEngine(Protocol):
     def close(self) -> None: ...
 
 
-# backend name -> "module:factory"; factory(config, dist) -> CriticEngine.
-# backend name -> "module:factory", the module relative to this package's root (a leading dot), or
-# absolute; factory(config, dist) -> CriticEngine.
-BACKENDS: dict[str, str] = {
-    "fsdp": ".backends.fsdp.engine:FSDPCriticEngine",
-    "megatron": ".backends.megatron.engine:MegatronCriticEngine",
-    "veomni": ".backends.veomni.engine:VeOmniCriticEngine",
-}
-# The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
-PACKAGE_ROOT = __package__.rpartition(".")[0]
-
-
-def build_engine(backend: str, config: EngineConfig, dist: DistContext) -> CriticEngine:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(sorted(BACKENDS))}")
-    module_name, factory = BACKENDS[backend].split(":")
-    module = importlib.import_module(module_name, package=PACKAGE_ROOT or None)
-    return getattr(module, factory)(config, dist)
+# The registry of backends (their specs, build_engine, register_backend) is common/registry.py;
+# re-exported here, where callers have always found build_engine.
+from .registry import BACKENDS, build_engine  # noqa: E402,F401
 
 
 def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,

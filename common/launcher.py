@@ -2,8 +2,10 @@
 
   python -m <package>.backends.<name>.train [CONFIG.yaml ...] [key=value ...] [--nproc N] [--resume]
                                             [--dry-run] [--print-config]
-A backend's train.py is a LauncherSpec (its module name, default config and config check) and a
-call to launch(). Flags may come anywhere among the items. Without torchrun, --nproc N > 1
+A backend's train.py is a LauncherSpec (its backend and module name) and a call to launch(); what
+the backend implements and its default config come from its BackendSpec (common/registry.py).
+Without --nproc it starts as many processes as engine.parallel needs. Flags may come anywhere among
+the items. Without torchrun, --nproc N > 1
 relaunches the same module under torchrun, by the name it runs under (so a vendored copy relaunches
 itself, not ours). Config, backend and run_dir are checked before any process group exists; a
 failure on any rank ends every rank with one line; Ctrl-C is one line and exit code 130.
@@ -27,22 +29,28 @@ INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C
 @dataclasses.dataclass(frozen=True, slots=True)
 class LauncherSpec:
     backend: str
-    """The registered backend this launcher trains with (common.engine.BACKENDS)."""
+    """The registered backend this launcher trains with (common/registry.py: its BackendSpec holds
+    the default config and what the backend implements)."""
     module: str
     """The launcher's own module name, as it runs (`__spec__.name`): what torchrun relaunches."""
-    default_config: str
-    """The YAML used when no config file is given."""
     doc: str
     """The launcher's help text (its module docstring)."""
-    check_config: Callable = lambda engine_config: None
-    """Raises ValueError (or warns) for engine settings this backend does not implement, naming the key."""
+
+    @property
+    def default_config(self) -> str:
+        from .registry import backend_spec
+
+        path = backend_spec(self.backend).default_config_path
+        assert path is not None, f"backend {self.backend} has a launcher but no default_config in its BackendSpec"
+        return path
 
 
 def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {spec.module}", description=spec.doc.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=spec.doc)
     parser.add_argument("items", nargs="*", help="YAML config files and key=value overrides")
-    parser.add_argument("--nproc", type=int, default=1, help="processes to launch when not under torchrun")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes to launch when not under torchrun (default: what engine.parallel needs)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     parser.add_argument("--dry-run", action="store_true", help="check config, model and rollouts; do not train")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -104,10 +112,13 @@ def _load_config(args, spec: LauncherSpec):
     if args.print_config:
         return config
     check_backend(config)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc {args.nproc}: the process count must be >= 1")
+        config.engine.parallel.data_parallel_size(args.nproc)  # ValueError naming the layout and --nproc
     if config.backend != spec.backend:
         raise ValueError(f"backend={config.backend} in the config, but this is the {spec.backend} launcher; run "
                          f"python -m {spec.module.replace(f'.{spec.backend}.', f'.{config.backend}.')} instead")
-    spec.check_config(config.engine)  # knobs this backend lacks: an error naming the key, or a warning
     writes_run_dir = not args.dry_run or config.engine.model.path.startswith("embedded:")
     reason = unwritable_reason(config.trainer.run_dir) if writes_run_dir else None
     if reason:
@@ -139,8 +150,16 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
 
         print(to_yaml(config))
         return 0
-    if args.nproc > 1 and not under_torchrun and not args.dry_run:
-        return _relaunch_under_torchrun(args.nproc, _without_nproc(argv), spec.module)
+    if under_torchrun:
+        return _run(args, config)
+    nproc = args.nproc
+    if nproc is None:  # as many processes as the parallel layout needs: one data-parallel rank
+        nproc = config.engine.parallel.model_parallel_size
+        if nproc > 1 and not args.dry_run:
+            print(f"starting {nproc} processes, the engine.parallel layout's tensor x pipeline x context x ulysses "
+                  f"(--nproc N for more data-parallel ranks)", flush=True)
+    if nproc > 1 and not args.dry_run:
+        return _relaunch_under_torchrun(nproc, _without_nproc(argv), spec.module)
     return _run(args, config)
 
 

@@ -22,7 +22,8 @@ from . import checkpoints
 from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
 from .data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
 from .distributed import DistContext, all_gather_object, barrier, broadcast_object
-from .engine import BACKENDS, RolloutBatch, build_engine, shift_to_tokens
+from .engine import RolloutBatch, shift_to_tokens
+from .registry import build_engine, check_engine_config
 from .loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
 from .run_lock import run_dir_lock
@@ -44,8 +45,8 @@ class TrainingInterrupted(Exception):
 
 
 def check_backend(config: TrainConfig) -> None:
-    if config.backend not in BACKENDS:
-        raise ValueError(f"backend={config.backend!r} is not registered; available: {', '.join(sorted(BACKENDS))}")
+    """The backend is registered and implements every parallel degree and knob the config sets."""
+    check_engine_config(config.backend, config.engine)
 
 
 def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:

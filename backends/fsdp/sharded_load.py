@@ -7,7 +7,9 @@ state is then broadcast tensor by tensor into the other ranks' shards
 one tensor in flight — never the whole model, nor the checkpoint's mapped pages. Buffers, which
 FSDP does not shard (rotary frequencies), follow from rank 0 the same way.
 
-With one data-parallel rank there is nothing to shard: the critic is loaded as it is.
+The configured transforms (common/transforms.py) rewrite the critic between loading and sharding:
+rank 0's loaded copy and every rank's meta tree alike. With one data-parallel rank there is nothing
+to shard: the critic is loaded and transformed as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...common.distributed import broadcast_object
+from ...common.mesh import ParallelMesh
 from ...common.valuehead import LoadReport, load_critic
 from ...common.valuehead.config import critic_class
 from ...common.valuehead.load import plan_load
@@ -35,37 +38,51 @@ def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | No
     return model
 
 
+def _fsdp_device_mesh(mesh: ParallelMesh, device_type: str) -> DeviceMesh:
+    """The DeviceMesh FSDP shards over: the mesh's data-parallel dimension."""
+    if mesh.device_mesh is not None:
+        return mesh.device_mesh["dp"]
+    return DeviceMesh.from_group(mesh.dp_group, device_type)
+
+
 def load_sharded_critic(
     path: str,
     *,
     dtype: torch.dtype,
     attn_implementation: str | None,
     load_kwargs: dict,
+    transform: Callable[[torch.nn.Module], torch.nn.Module],
     parallelize: Callable[[torch.nn.Module, DeviceMesh], torch.nn.Module],
     device: torch.device,
-    dp_group,
+    mesh: ParallelMesh,
 ) -> tuple[torch.nn.Module, LoadReport]:
-    """(the parallelised critic on `device`, rank 0's load report) on every rank of `dp_group`."""
-    rank = torch_dist.get_rank(dp_group)
-    mesh = DeviceMesh.from_group(dp_group, device.type)
-    if torch_dist.get_world_size(dp_group) == 1:
+    """(the transformed, parallelised critic on `device`, rank 0's load report) on every rank of the
+    mesh's data-parallel group."""
+    dp_group = mesh.dp_group
+    rank = mesh.dp_rank
+    fsdp_mesh = _fsdp_device_mesh(mesh, device.type)
+    if mesh.dp_size == 1:
         model, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
-        return parallelize(model.to(device), mesh), report
+        return parallelize(transform(model.to(device)), fsdp_mesh), report
 
-    # set_model_state_dict broadcasts over the default group: shard over all ranks or none.
-    assert torch_dist.get_world_size(dp_group) == torch_dist.get_world_size(), "sharded load needs dp = world"
+    # set_model_state_dict(broadcast_from_rank0) broadcasts over the default group: shard over every
+    # rank, or over one (above).
+    if mesh.dp_size != torch_dist.get_world_size():
+        raise ValueError(f"the fsdp backend shards over every process or none: {mesh.dp_size} data-parallel ranks "
+                         f"of {torch_dist.get_world_size()} processes is not a layout it can load")
     full_state, buffers, report = {}, {}, None
     if rank == 0:
         loaded, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
+        loaded = transform(loaded)
         full_state = loaded.state_dict()
         buffers = dict(loaded.named_buffers())  # non-persistent ones (rotary inv_freq) are not in state_dict
         del loaded
     report = broadcast_object(report, group=dp_group)
     # Build the same tree everywhere (rank 0 too: its loaded copy is dropped once broadcast).
-    model = _meta_critic(path, dtype=dtype, attn_implementation=report.attn_implementation,
-                         trust_remote_code=load_kwargs.get("trust_remote_code", False),
-                         head_prefix=load_kwargs.get("head_prefix"))
-    model = parallelize(model, mesh)
+    model = transform(_meta_critic(path, dtype=dtype, attn_implementation=report.attn_implementation,
+                                   trust_remote_code=load_kwargs.get("trust_remote_code", False),
+                                   head_prefix=load_kwargs.get("head_prefix")))
+    model = parallelize(model, fsdp_mesh)
     model.to_empty(device=device)
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -14,23 +14,13 @@ common/launcher.py, shared by every backend; this file holds the FSDP backend's 
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ...common.config import EngineConfig
 from ...common.launcher import LauncherSpec, launch
-
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml")
-
-
-def check_config(engine: EngineConfig) -> None:
-    """FSDP shards over data-parallel ranks only (engine.cpu_offload on CPU warns in the engine)."""
-    engine.parallel.check_supported("fsdp", implemented=())
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = LauncherSpec(backend="fsdp", module=__spec__.name, default_config=DEFAULT_CONFIG, doc=__doc__,
-                        check_config=check_config)
+    spec = LauncherSpec(backend="fsdp", module=__spec__.name, doc=__doc__)
     return launch(spec, argv)
 
 

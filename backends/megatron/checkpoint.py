@@ -2,29 +2,26 @@
 
 A checkpoint directory holds the dist_checkpointing shards of model + optimizer (global tensors:
 any tensor/pipeline layout reloads them, so a TP2 checkpoint resumes at TP1 and back),
-`trainer_state.pt` (LR schedule, the engine's RNG, the caller's extra state) and
+`trainer_state.pt` (common.checkpoints.save_trainer_state) and
 `critic_checkpoint.json` (the HF critic's fingerprint, independent of the parallel layout), written
 last. Staging, the all-ranks-or-none commit and the fingerprint are common/checkpoints.py's.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from megatron.core import dist_checkpointing
 
 from . import compat
-from ...common.checkpoints import check_meta, hf_fingerprint, staged_checkpoint, write_meta
+from ...common.checkpoints import (
+    check_meta,
+    load_trainer_state,
+    save_trainer_state,
+    staged_checkpoint,
+    write_meta,
+)
 from ...common.distributed import barrier
 from ...common.valuehead import save_critic
-
-TRAINER_STATE = "trainer_state.pt"
-
-
-def fingerprint(critic: torch.nn.Module) -> dict:
-    """The HF critic's fingerprint (names and shapes; the same as the FSDP backend's for one critic)."""
-    return hf_fingerprint(critic.config, ((name, tuple(p.shape)) for name, p in critic.named_parameters()))
 
 
 def _sharded_state(ddp_model, optimizer, *, is_loading: bool) -> dict:
@@ -41,8 +38,7 @@ def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
         with compat.cuda_to_cpu():
             dist_checkpointing.save(state, staging)
         if main:
-            torch.save({"scheduler": engine.scheduler.state_dict(), "rng": engine.generator.get_state(),
-                        "extra": extra_state}, os.path.join(staging, TRAINER_STATE))
+            save_trainer_state(staging, engine, extra_state)
             write_meta(staging, engine.fingerprint, world_size=engine.dist.world_size, backend="megatron")
 
 
@@ -58,16 +54,14 @@ def load_checkpoint(directory: str, engine) -> dict:
         loaded = dist_checkpointing.load(state, directory)
         engine.model.module.load_state_dict(loaded["model"], strict=False)
         engine.optimizer.load_state_dict(loaded["optimizer"])
-    trainer_state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=True)
-    engine.scheduler.load_state_dict(trainer_state["scheduler"])
-    engine.generator.set_state(trainer_state["rng"])
-    return trainer_state["extra"]
+    return load_trainer_state(directory, engine)
 
 
 def export_hf(directory: str, hf_state: dict | None, critic_class: type, hf_config) -> None:
     """Rank 0 (the one holding `hf_state`) writes the HF critic; every rank waits for it."""
     if hf_state is not None:
-        critic = critic_class(hf_config)
+        with torch.random.fork_rng(devices=[]):  # the fresh module's init draws on the global RNG
+            critic = critic_class(hf_config)
         result = critic.load_state_dict(hf_state, strict=True)
         assert not result.missing_keys and not result.unexpected_keys, result
         save_critic(critic, directory, overwrite=True)

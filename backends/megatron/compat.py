@@ -1,27 +1,27 @@
 """CPU compatibility for megatron-core 0.16.1: every shim this backend needs when CUDA is absent.
 
 megatron-core assumes CUDA in a handful of places (measured in shared/notes/megatron-feasibility.md).
-`enable_cpu_shims(seed)` patches them, and `cuda_to_cpu()` is a context manager for the code paths
+`enable_cpu_shims()` patches them (`disable_cpu_shims()` puts every original back when the last
+engine using them closes), and `cuda_to_cpu()` is a context manager for the code paths
 that allocate with `device="cuda"` (optimizer construction and step, the pipeline schedules).
 Both do nothing when CUDA is available: on GPU this backend runs plain megatron-core.
 
-The shims, and why each exists (line numbers are megatron-core 0.16.1):
+The shims, and why each exists (in megatron-core 0.16.1):
   1. RNG tracker: `model_parallel_cuda_manual_seed` uses torch.cuda RNG states, and every attention
-     forward forks the tracker (dot_product_attention.py:217). `_CpuRNGStatesTracker` keeps CPU
+     forward forks the tracker. `_CpuRNGStatesTracker` keeps CPU
      generator states under the same names and seeds.
-  2. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` (:162).
-  3. `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()` (utils.py:631).
+  2. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`.
+  3. `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()`.
   4. `torch.cuda.current_device()` is used as a device by DDP buffers and the sequence-parallel
-     gather/scatter (param_and_grad_buffer.py:806, mappings.py:181): it returns cpu here.
+     gather/scatter: it returns cpu here.
   5. `torch.cuda.synchronize` / `empty_cache` become no-ops.
-  6. `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads (clip_grads.py:167): a
+  6. `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads: a
      device-neutral replacement, installed where optimizer.py imported it by name.
-  7. The CUDA RNG-state save/restore of activation recompute (random.py:55) become no-ops; the CPU
+  7. The CUDA RNG-state save/restore of activation recompute become no-ops; the CPU
      state and the tracker states are still saved and restored.
   8. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
-     `pin_memory`) to cpu, for FP32Optimizer (optimizer.py:907) and the schedules (schedules.py:596,
-     :2138).
-megatron's distributed optimizer cannot run on CPU (distrib_optimizer.py:431 checks type strings):
+     `pin_memory`) to cpu, for FP32Optimizer and the schedules.
+megatron's distributed optimizer cannot run on CPU (it checks tensor type strings):
 the engine uses the plain one there.
 """
 
@@ -32,7 +32,8 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-_ENABLED = False
+_USERS = 0  # engines that enabled the shims and have not closed yet
+_ORIGINALS: list[tuple[object, str, object]] = []
 
 
 def cpu_mode() -> bool:
@@ -83,6 +84,10 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(outside)
 
 
+def is_cpu_tracker(tracker) -> bool:
+    return isinstance(tracker, _CpuRNGStatesTracker)
+
+
 def seed_model_parallel_rng(seed: int) -> None:
     """The CPU stand-in for `tensor_parallel.model_parallel_cuda_manual_seed` (same names and seeds)."""
     from megatron.core import parallel_state
@@ -130,27 +135,53 @@ def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gra
         torch._foreach_mul_(grads, coeff)
 
 
-def enable_cpu_shims() -> None:
-    """Install shims 2-7 (idempotent; a no-op with CUDA). Call before building the model."""
-    global _ENABLED
-    if _ENABLED or not cpu_mode():
-        return
+def _shims() -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) of shims 2-7."""
     from megatron.core import utils as mcore_utils
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import random as mp_random
 
-    rotary_pos_embedding.RotaryEmbedding.get_emb = _rope_get_emb
-    mcore_utils.GlobalMemoryBuffer.get_tensor = _buffer_get_tensor
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.empty_cache = lambda: None
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
-    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
-    mp_random._get_cuda_rng_state = lambda *args, **kwargs: None
-    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
-    _ENABLED = True
+    return [
+        (rotary_pos_embedding.RotaryEmbedding, "get_emb", _rope_get_emb),
+        (mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor),
+        (torch.cuda, "current_device", lambda: torch.device("cpu")),
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
+        (torch.cuda, "empty_cache", lambda: None),
+        (clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm),
+        (mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm),
+        (mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: None),
+        (mp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None),
+    ]
+
+
+def enable_cpu_shims() -> None:
+    """Install shims 2-7 (a no-op with CUDA). Call before building the model; every call needs its
+    disable_cpu_shims() (engines alive at once share one installation)."""
+    global _USERS
+    if not cpu_mode():
+        return
+    _USERS += 1
+    if _USERS > 1:
+        return
+    for owner, name, replacement in _shims():
+        _ORIGINALS.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+
+def disable_cpu_shims() -> None:
+    """Undo enable_cpu_shims once the last engine that enabled them is closed: every patched
+    function is the original again."""
+    global _USERS
+    if not cpu_mode() or _USERS == 0:
+        return
+    _USERS -= 1
+    if _USERS:
+        return
+    while _ORIGINALS:
+        owner, name, original = _ORIGINALS.pop()
+        setattr(owner, name, original)
 
 
 def _is_cuda(device) -> bool:

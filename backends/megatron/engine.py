@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as torch_dist
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from . import checkpoint, compat, convert, parallelize
@@ -23,9 +24,12 @@ from .config import check_megatron_config, transformer_config
 from .inputs import model_inputs
 from .value_model import build_value_model, te_available
 from ...common.batching import MicroBatch
+from ...common.checkpoints import critic_fingerprint
 from ...common.config import EngineConfig
 from ...common.distributed import DistContext, all_reduce
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ...common.mesh import ParallelMesh
+from ...common.registry import check_engine_config
 from ...common.update_step import StepStats, plan_step, step_micro_batches
 from ...common.valuehead import load_critic
 from ...common.valuehead.load import plan_load
@@ -34,7 +38,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronCriticEngine:
-    def __init__(self, config: EngineConfig, dist: DistContext):
+    def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
+        """`mesh`: accepted when its degrees are the config's; megatron's own groups (parallel_state)
+        are what the engine runs on, and `self.parallel` wraps them."""
+        check_engine_config("megatron", config)
+        if mesh is not None:
+            mesh.check_matches(config.parallel, who="the megatron engine")
         self.config = config
         self.dist = dist
         model_cfg = config.model
@@ -50,14 +59,22 @@ class MegatronCriticEngine:
             head_init_seed=model_cfg.head_init_seed)
         self.hf_config = critic.config
         self.critic_class = type(critic)
-        self.fingerprint = checkpoint.fingerprint(critic)
+        self.fingerprint = critic_fingerprint(critic)
 
         parallelize.init_model_parallel(config.parallel, config.seed)
+        try:
+            self._build(critic, config, dist)
+        except BaseException:
+            parallelize.release_model_parallel()
+            raise
+
+    def _build(self, critic, config: EngineConfig, dist: DistContext) -> None:
+        """Everything after megatron's groups exist: coordinates, the GPTModel with the critic's
+        weights, DDP, optimizer and schedule."""
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_group = parallel_state.get_data_parallel_group()
+        self.parallel = parallelize.megatron_mesh(config.parallel, dist.world_size)
+        self.dp_rank, self.dp_size, self.dp_group = self.parallel.dp_rank, self.parallel.dp_size, self.parallel.dp_group
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
 
@@ -72,7 +89,6 @@ class MegatronCriticEngine:
         self.layout = convert.Layout(self.tp_rank, tp, self.pp_rank * per_stage, per_stage,
                                      self.first_stage, self.last_stage, te_names=use_te)
         convert.load_into(model, convert.hf_to_mcore(critic.state_dict(), self.hf_config, self.traits, self.layout))
-        del critic
         model.to(dist.device)
         self.model = parallelize.wrap_ddp(model, self.tf_config)
         bf16 = self.tf_config.bf16
@@ -85,7 +101,7 @@ class MegatronCriticEngine:
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
         """This rank's micro-batches; the same number on every rank (data-parallel peers run their schedules in step)."""
-        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=None)
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.parallel.world_group)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
@@ -201,7 +217,13 @@ class MegatronCriticEngine:
         checkpoint.export_hf(directory, self.hf_state_dict(), self.critic_class, self.hf_config)
 
     def close(self) -> None:
-        """Release the model and megatron's process groups (module globals); before the default group."""
-        del self.model, self.optimizer, self.scheduler
+        """Release the model, and megatron's process-global state once the last of our megatron
+        engines is closed (parallelize.release_model_parallel); before the default group."""
+        self.model = self.optimizer = self.scheduler = None
+        self.dp_group = None  # a closed engine holds no process group (shutdown can then end them)
+        # RotaryEmbedding.forward is an lru_cache keyed by the module itself: without this the cache
+        # keeps the whole closed model (and its context-parallel group) alive.
+        RotaryEmbedding.forward.cache_clear()
         gc.collect()
-        parallelize.destroy_model_parallel()
+        self.parallel.release()
+        parallelize.release_model_parallel()

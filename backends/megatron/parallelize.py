@@ -1,8 +1,9 @@
 """Megatron's process groups, the DDP wrapper and the optimizer, in the order the engine needs them.
 
-  1. init_model_parallel: megatron's tensor / pipeline / data groups (module globals in
-     megatron.core.parallel_state) inside the default process group, and the model-parallel RNG
-     tracker (the CPU one from compat.py without CUDA).
+  1. init_model_parallel / release_model_parallel: megatron's tensor / pipeline / data groups
+     (module globals in megatron.core.parallel_state) inside the default process group, reused
+     when another engine or the host made them with the same degrees, and the model-parallel RNG
+     tracker (the CPU one from compat.py without CUDA); the last release restores what was there.
   2. wrap_ddp: megatron's DistributedDataParallel (grad buffers, the data-parallel all-reduce that
      finalize_model_grads runs, plus the tensor-parallel all-reduce of sequence-parallel norms).
   3. build_optimizer: megatron's Adam with global grad-norm clipping across TP/PP ranks; its
@@ -11,6 +12,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -18,28 +22,108 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from . import compat
 from ...common.config import OptimConfig, ParallelConfig
+from ...common.mesh import ParallelMesh, mesh_sizes
 
 # Clipping off still needs the norm for the metrics: clip at a bound no norm reaches.
 _NO_CLIP = 1.0e30
 
 
+# The environment variables megatron-core sets while building a model (its attention backend).
+NVTE_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@dataclasses.dataclass
+class _Usage:
+    """Our engines' use of megatron's process-global state, so that engines coexist with each other
+    and with a host that set the state up itself, and the last close leaves it as it was found."""
+
+    engines: int = 0
+    """Our megatron engines alive in this process."""
+    created_groups: bool = False
+    """We initialised megatron's groups (else the host did, and they stay after our last close)."""
+    environ: dict = dataclasses.field(default_factory=dict)
+    """NVTE_VARIABLES as they were before the first engine was built."""
+    rng_tracker: tuple | None = None
+    """megatron's RNG tracker (and its initialised flag) before we installed the CPU one."""
+
+
+_USAGE = _Usage()
+
+
+def _check_same_layout(parallel: ParallelConfig) -> None:
+    existing = {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+                "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+                "context": parallel_state.get_context_parallel_world_size()}
+    wanted = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "context": parallel.context}
+    if existing != wanted:
+        owner = "another megatron engine" if _USAGE.created_groups else "the host"
+        raise ValueError(f"megatron's process groups in this process ({owner}'s) have {existing}, engine.parallel asks "
+                         f"for {wanted}: megatron keeps one layout per process; use the same degrees, or close "
+                         f"{owner}'s groups first")
+
+
 def init_model_parallel(parallel: ParallelConfig, seed: int) -> None:
-    """Create megatron's groups in the (already initialised) default process group; seed its RNGs."""
+    """Megatron's groups in the (already initialised) default process group: created, or reused when
+    they exist with the same degrees (another engine's or the host's); its RNG tracker seeded."""
     assert torch.distributed.is_initialized(), "init the default process group first (common.distributed)"
+    from megatron.core.tensor_parallel import random as mp_random
+
     if parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("megatron's process groups already exist in this process: close() the other "
-                           "megatron engine first (megatron keeps them as module globals)")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor,
-                                             pipeline_model_parallel_size=parallel.pipeline)
-    if compat.cpu_mode():
-        compat.enable_cpu_shims()
-        compat.seed_model_parallel_rng(seed)
+        _check_same_layout(parallel)
     else:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor,
+                                                 pipeline_model_parallel_size=parallel.pipeline)
+        _USAGE.created_groups = True
+        if not compat.cpu_mode():
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if _USAGE.engines == 0:
+        _USAGE.environ = {name: os.environ.get(name) for name in NVTE_VARIABLES}
+        if compat.cpu_mode() and not compat.is_cpu_tracker(mp_random._CUDA_RNG_STATE_TRACKER):
+            _USAGE.rng_tracker = (mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+            compat.seed_model_parallel_rng(seed)
+    _USAGE.engines += 1
+    compat.enable_cpu_shims()
 
 
-def destroy_model_parallel() -> None:
-    parallel_state.destroy_model_parallel()
+def release_model_parallel() -> None:
+    """One engine is done with megatron's state; the last one puts back what the first found (the
+    groups are destroyed only when we created them, the shims, the RNG tracker, the environment)."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    assert _USAGE.engines > 0, "release_model_parallel without init_model_parallel"
+    _USAGE.engines -= 1
+    compat.disable_cpu_shims()
+    if _USAGE.engines:
+        return
+    for name, value in _USAGE.environ.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if _USAGE.rng_tracker is not None:
+        mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _USAGE.rng_tracker
+        _USAGE.rng_tracker = None
+    if _USAGE.created_groups:
+        parallel_state.destroy_model_parallel()
+        _forget_leftover_groups()
+        _USAGE.created_groups = False
+
+
+def _forget_leftover_groups() -> None:
+    """megatron-core 0.16.1's destroy_model_parallel leaves a few groups in parallel_state's module
+    globals (e.g. _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP); a group still referenced keeps its
+    gloo threads running past destroy_process_group (common.distributed.shutdown)."""
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
+            setattr(parallel_state, name, None)
+
+
+def megatron_mesh(parallel: ParallelConfig, world_size: int) -> ParallelMesh:
+    """Megatron's groups (after init_model_parallel) as a common.mesh.ParallelMesh."""
+    sizes = mesh_sizes(parallel, world_size)
+    groups = {"dp": parallel_state.get_data_parallel_group(), "tp": parallel_state.get_tensor_model_parallel_group(),
+              "pp": parallel_state.get_pipeline_model_parallel_group()}
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups)
 
 
 def wrap_ddp(model: torch.nn.Module, tf_config) -> DistributedDataParallel:

@@ -12,24 +12,13 @@ Data parallel is the world size divided by tensor x pipeline. Keys: common/confi
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ...common.config import EngineConfig
 from ...common.launcher import LauncherSpec, launch
-
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml")
-
-
-def check_config(engine: EngineConfig) -> None:
-    """Degrees this backend has; the family and the head/layer divisibility are checked by the engine
-    before megatron creates any group (backends/megatron/config.py)."""
-    engine.parallel.check_supported("megatron", implemented=("tensor", "pipeline", "sequence_parallel"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = LauncherSpec(backend="megatron", module=__spec__.name, default_config=DEFAULT_CONFIG, doc=__doc__,
-                        check_config=check_config)
+    spec = LauncherSpec(backend="megatron", module=__spec__.name, doc=__doc__)
     return launch(spec, argv)
 
 

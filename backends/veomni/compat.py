@@ -7,16 +7,16 @@ VeOmni's own logic done for it.
 
   1. Kernels: `OpsImplementationConfig()` defaults to triton / liger / flash-attention and raises on
      a machine without them; there is no CPU fallback. `ops_implementation()` asks for eager kernels.
-  2. Process group: VeOmni's `get_dist_comm_backend()` has no gloo branch (utils/device.py:79-88);
+  2. Process group: VeOmni's `get_dist_comm_backend()` has no gloo branch;
      the engine joins the group common.distributed made (gloo on CPU) before VeOmni is called, and
      VeOmni never creates one itself on this path.
   3. One process: `build_parallelize_model` refuses every `init_device` but cuda/npu/mlu when FSDP
-     is off (torch_parallelize.py:799, fsdp_size == 1), although with FSDP off it uses the flag for
-     nothing else. `parallelize_one_rank()` does what VeOmni does there: the fp32 upcast and
-     non-reentrant gradient checkpointing.
+     is off (fsdp_size == 1), although with FSDP off it uses the flag for nothing else.
+     `parallelize_one_rank()` does what VeOmni does there for a critic: non-reentrant gradient
+     checkpointing (no dtype change: the weights stay in the dtype they were built in).
   4. Ulysses: VeOmni's sequence-parallel attention is flash-attention / flex-attention /
-     magi-attention with all-to-all around it; none of them has a CPU backward, so
-     engine.parallel.ulysses > 1 is refused on CPU (`check_ulysses`).
+     magi-attention with all-to-all around it; none of them has a CPU backward. The backend does
+     not implement engine.parallel.ulysses yet (its BackendSpec lists no such dimension).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def cpu_mode() -> bool:
     return not torch.cuda.is_available()
 
 
-# Every kernel choice of OpsImplementationConfig that has a GPU-only default (arguments_types.py:1106-1210).
+# Every kernel choice of OpsImplementationConfig that has a GPU-only default.
 _EAGER_KERNELS = ("moe_implementation", "cross_entropy_loss_implementation", "rms_norm_implementation",
                   "swiglu_mlp_implementation", "rotary_pos_emb_implementation",
                   "rotary_pos_emb_vision_implementation", "load_balancing_loss_implementation",
@@ -60,13 +60,3 @@ def parallelize_one_rank(model: torch.nn.Module, *, gradient_checkpointing: bool
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def check_ulysses(ulysses: int) -> None:
-    """ValueError for Ulysses sequence parallelism on CPU (see 4. above)."""
-    if ulysses > 1 and cpu_mode():
-        raise ValueError(
-            f"engine.parallel.ulysses={ulysses} needs VeOmni's sequence-parallel attention "
-            f"(veomni_flash_attention_*_with_sp, veomni_flex_attention_with_sp), which has no CPU implementation "
-            f"(flash-attention is CUDA-only and torch's flex attention has no CPU backward); set "
-            f"engine.parallel.ulysses=1 on CPU, or run on GPUs")

@@ -15,25 +15,13 @@ common/launcher.py, shared by every backend; this file holds the VeOmni backend'
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ...common.config import EngineConfig
 from ...common.launcher import LauncherSpec, launch
-
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml")
-
-
-def check_config(engine: EngineConfig) -> None:
-    """Data parallel only for now (tensor/pipeline/context are Megatron's; Ulysses: engine.check_parallel)."""
-    from .engine import check_parallel
-
-    check_parallel(engine)
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = LauncherSpec(backend="veomni", module=__spec__.name, default_config=DEFAULT_CONFIG, doc=__doc__,
-                        check_config=check_config)
+    spec = LauncherSpec(backend="veomni", module=__spec__.name, doc=__doc__)
     return launch(spec, argv)
 
 

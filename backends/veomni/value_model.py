@@ -6,8 +6,8 @@ guarded dispatch that cannot silently yield a causal LM.
   --> check_critic_form: the class, no lm_head, a [1, H] head, nothing on meta, [B, T, 1] on a probe
 
 VeOmni builds a model from `config.architectures` through a per-family registry function. Its
-fallback for an architecture it does not recognise is the family's *ForCausalLM (0.1.12
-qwen2/__init__.py:35), and 0.1.10 / 0.1.11 do not recognise *ForTokenClassification at all: a critic
+fallback for an architecture it does not recognise is the family's *ForCausalLM (0.1.12's
+per-family registration), and 0.1.10 / 0.1.11 do not recognise *ForTokenClassification at all: a critic
 asked for the naive way comes out as a [B, T, vocab] causal LM. The check after the build turns
 any such build into an error naming the VeOmni version and the fix.
 """
@@ -124,7 +124,7 @@ def check_class(model: torch.nn.Module, critic_cfg) -> None:
 
 def check_materialized(model: torch.nn.Module) -> None:
     """No parameter or buffer left on the meta device (VeOmni's cpu init on a rank VeOmni thinks is not
-    rank 0 builds an all-meta model without an error, auto.py:329)."""
+    rank 0 builds an all-meta model without an error: build_foundation_model)."""
     on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if on_meta:
         raise ValueError(
@@ -151,7 +151,7 @@ def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device)
         raise _dispatch_error(f"on a [1, 4] probe it returns {list(logits.shape)}, not [1, 4, 1]", model, expected)
 
 
-# Attributes build_foundation_model writes into the model's config (auto.py:285-306): VeOmni's own
+# Attributes build_foundation_model writes into the model's config (build_foundation_model): VeOmni's own
 # switches, not part of the model, so an exported config.json must not carry them.
 VEOMNI_CONFIG_FIELDS = ("encoder_data_balance", "encoder_data_balance_sorting_algo")
 

@@ -18,10 +18,11 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common import fsdp2_shared
+from critic_adapters.common import fsdp2_core
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows
-from critic_adapters.common import engine as engine_registry
+from critic_adapters.common.mesh import ParallelMesh
+from critic_adapters.common.registry import BackendSpec, register_backend
 from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig, load_train_config
 from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch
@@ -38,13 +39,13 @@ class OneDPRankEngine(FSDPCriticEngine):
         torch_dist.barrier()
 
 
-def one_dp_rank(config, dist):
+def one_dp_rank(config, dist, mesh=None):
     groups = [torch_dist.new_group([rank]) for rank in range(dist.world_size)]  # collective: all ranks, same order
-    return OneDPRankEngine(config, dist, dp_group=groups[dist.rank])
+    return OneDPRankEngine(config, dist, mesh=ParallelMesh.from_groups(sizes={"dp": 1}, groups={"dp": groups[dist.rank]}))
 
 
 def train(run_dir, backend, overrides):
-    engine_registry.BACKENDS["one_dp_rank"] = f"{__name__}:one_dp_rank"
+    register_backend("one_dp_rank", BackendSpec(factory=f"{__name__}:one_dp_rank"), replace=True)
     from critic_adapters.common.trainer import run_training
 
     config = load_train_config([], [f"trainer.run_dir={run_dir}", f"backend={backend}", *overrides])
@@ -68,19 +69,19 @@ def save_fails(model_dir, workdir):
     target = os.path.join(workdir, "checkpoint")
     engine.save_checkpoint(target, {"step": 1})
     engine.update(_batch(dist.rank))
-    real_write_meta = fsdp2_shared.write_meta
+    real_write_meta = fsdp2_core.write_meta
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device (simulated)")
 
     if dist.rank == 0:  # only rank 0 writes the meta file: the others finish their part and wait
-        fsdp2_shared.write_meta = full_disk
+        fsdp2_core.write_meta = full_disk
     error = None
     try:
         engine.save_checkpoint(target, {"step": 2})
     except BaseException as err:  # noqa: BLE001 - the test inspects whatever each rank raised
         error = f"{type(err).__name__}: {err}"
-    fsdp2_shared.write_meta = real_write_meta
+    fsdp2_core.write_meta = real_write_meta
     extra = engine.load_checkpoint(target)  # the previous checkpoint is intact and loads
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
         json.dump({"error": error, "extra": extra, "left": sorted(os.listdir(workdir))}, f)

@@ -1,6 +1,7 @@
-"""Which attention the FSDP engine asks for: flash varlen when it can run, else per-sequence sdpa."""
+"""Which attention the FSDP2-based engines ask for (common.fsdp2_core.attention_for): flash varlen
+when it can run, else per-sequence sdpa."""
 
-from critic_adapters.backends.fsdp import engine
+from critic_adapters.common import fsdp2_core as engine
 from critic_adapters.common import packed_attention
 from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig
 from critic_adapters.common.tests.helpers import run_pytest
@@ -23,6 +24,7 @@ def test_packed_rows_fall_back_to_per_sequence_sdpa(monkeypatch):
 def test_padded_rows_leave_the_choice_to_the_loader_and_explicit_wins(monkeypatch):
     monkeypatch.setattr(engine, "flash_attention_available", lambda: True)
     assert engine.attention_for(config(packing=False)) is None  # load_critic: flash > sdpa > eager
+    assert engine.attention_for(config(packing=False), padded="sdpa") == "sdpa"  # the veomni engine's choice
     assert engine.attention_for(config(attn="eager")) == "eager"
 
 

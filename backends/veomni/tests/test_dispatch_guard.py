@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from critic_adapters.backends.veomni import value_model
-from critic_adapters.backends.veomni.engine import check_parallel
+from critic_adapters.common.registry import check_engine_config
 from critic_adapters.backends.veomni.tests.launch import run_torchrun, worker_env
 from critic_adapters.common.config import EngineConfig, ParallelConfig
 from critic_adapters.common.tests import checkpoint_builders
@@ -91,13 +91,11 @@ def test_meta_parameters_are_refused():
         value_model.check_materialized(model)
 
 
-def test_ulysses_on_cpu_is_refused():
-    if torch.cuda.is_available():
-        pytest.skip("the CPU refusal")
-    with pytest.raises(ValueError, match="ulysses=2 needs VeOmni's sequence-parallel attention"):
-        check_parallel(EngineConfig(parallel=ParallelConfig(ulysses=2)))
-    with pytest.raises(ValueError, match="does not implement engine.parallel.tensor=2"):
-        check_parallel(EngineConfig(parallel=ParallelConfig(tensor=2)))
+def test_parallel_degrees_it_lacks_are_refused_by_key():
+    with pytest.raises(ValueError, match="does not implement engine.parallel.ulysses=2"):
+        check_engine_config("veomni", EngineConfig(parallel=ParallelConfig(ulysses=2)))
+    with pytest.raises(ValueError, match=r"engine.parallel.tensor=2 \(offered by backend=megatron\)"):
+        check_engine_config("veomni", EngineConfig(parallel=ParallelConfig(tensor=2)))
 
 
 if __name__ == "__main__":

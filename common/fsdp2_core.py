@@ -1,0 +1,253 @@
+"""The engine core of the backends built on torch's FSDP2 (fsdp, veomni): the whole engine API over
+an FSDP2-sharded Hugging Face critic, with small hooks for what a backend does its own way.
+
+A backend subclasses FSDP2Engine and implements
+  _build_mesh()   the ParallelMesh when none is passed in (fsdp: common.mesh.build_mesh; veomni:
+                  the groups of VeOmni's parallel state)
+  _build()        (model, load report, optimizer, scheduler): load, transform, parallelise
+and may override
+  _grad_norm(max_norm)  clip and return the global grad norm (VeOmni's FSDP2 attaches its own)
+  _settle()       put the model back on its sharded parameters after a forward (VeOmni)
+  _export_config() a context around writing the HF export (VeOmni removes its config fields)
+  _release()      free what the backend holds besides model and optimizer (VeOmni's state)
+
+A checkpoint directory holds the DCP shards of model + optimizer, `trainer_state.pt` and
+`critic_checkpoint.json` (common/checkpoints.py: staging, the all-ranks-or-none commit, the
+fingerprint). DCP reshards on load: a checkpoint from 2 ranks loads on 1 and back, and the two
+backends read each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from . import packed_attention
+from .batching import MicroBatch
+from .checkpoints import (
+    check_meta,
+    critic_fingerprint,
+    load_trainer_state,
+    save_trainer_state,
+    staged_checkpoint,
+    write_meta,
+)
+from .config import EngineConfig
+from .distributed import DistContext, all_reduce, barrier
+from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from .mesh import ParallelMesh
+from .registry import check_engine_config
+from .transforms import export_state_dict
+from .update_step import StepStats, plan_step, step_micro_batches
+from .valuehead import save_critic
+from .valuehead.attention import flash_attention_available
+from .valuehead.values import compute_values
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def attention_for(config: EngineConfig, padded: str | None = None) -> str | None:
+    """Explicit choice wins; packed rows use varlen flash-attention, else our per-sequence
+    attention; padded rows `padded` (None: transformers' default)."""
+    if config.model.attn_implementation is not None:
+        return config.model.attn_implementation
+    if config.batching.packing:
+        return "flash_attention_2" if flash_attention_available() else packed_attention.register()
+    return padded
+
+
+@contextlib.contextmanager
+def quiet_fsdp_views():
+    # FSDP2 warns that a wrapped module returns a view (the head's output): harmless here, as values
+    # are never modified in place. Scoped, so the process's warning filters stay as they were.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        yield
+
+
+class FSDP2Engine:
+    backend: str = ""
+    """The registry name (checkpoint meta, config checks); set by each subclass."""
+
+    def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
+        check_engine_config(self.backend, config)
+        self.config = config
+        self.dist = dist
+        if mesh is not None:
+            mesh.check_matches(config.parallel, who=f"the {self.backend} engine")
+        self._owns_mesh = mesh is None
+        self.parallel = mesh if mesh is not None else self._build_mesh()
+        self.dp_group, self.dp_rank, self.dp_size = self.parallel.dp_group, self.parallel.dp_rank, self.parallel.dp_size
+        # The engine's own randomness (nothing in training draws from it today; saved in checkpoints).
+        self.generator = torch.Generator().manual_seed(config.seed)
+        try:
+            self.model, self.load_report, self.optimizer, self.scheduler = self._build()
+        except BaseException:
+            self._release_all()
+            raise
+        self.vocab_size = self.model.config.get_text_config().vocab_size
+        self.fingerprint = critic_fingerprint(self.model, config.transforms)
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _build_mesh(self) -> ParallelMesh:
+        raise NotImplementedError
+
+    def _build(self):
+        raise NotImplementedError
+
+    def _grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        # clip_grad_norm_ over DTensor shards reduces across ranks: the norm of the full gradient.
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def _settle(self) -> None:
+        pass
+
+    def _export_config(self):
+        return contextlib.nullcontext()
+
+    def _release(self) -> None:
+        pass
+
+    # -- micro-batches -------------------------------------------------------------------------------
+    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
+        """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
+
+    def _forward(self, mb: MicroBatch, row_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output)."""
+        device = self.dist.device
+        with quiet_fsdp_views():
+            values = compute_values(
+                self.model,
+                mb.input_ids.to(device),
+                None if mb.attention_mask is None else mb.attention_mask.to(device),
+                None if mb.position_ids is None else mb.position_ids.to(device),
+            )
+        return mb.unpack(values, row_length), values
+
+    # -- the engine API ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
+        self.model.eval()
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        for mb in self._micro_batches(input_ids, attention_mask):
+            values, _ = self._forward(mb, input_ids.shape[1])
+            if mb.rows:
+                out[mb.rows] = values.cpu()
+        self._settle()
+        return out
+
+    def accumulate_gradients(self, batch: RolloutBatch) -> StepStats:
+        """Forward/backward over this rank's micro-batches (the first half of update). Gradients are
+        those of the global mini-batch loss; returns the step's statistics (not yet reduced)."""
+        check_batch_inputs(batch.input_ids, batch.attention_mask, vocab_size=self.vocab_size, batch=batch,
+                           group=self.dp_group)
+        self.model.train()
+        device = self.dist.device
+        stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
+        for mb in self._micro_batches(batch.input_ids, batch.attention_mask):
+            values, raw = self._forward(mb, batch.input_ids.shape[1])
+            if not mb.rows:
+                (raw.sum() * 0.0).backward()  # keep this rank in step with the others' collectives
+                continue
+            loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
+                                          batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
+            # FSDP averages gradients over DP ranks; the loss is already the global mean, so undo that.
+            with quiet_fsdp_views():
+                (loss * self.dp_size).backward()
+        return stats
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch; returns the metrics of
+        common.update_step.METRICS over the data-parallel group."""
+        start = time.perf_counter()
+        stats = self.accumulate_gradients(batch)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+        grad_norm = self._clip_and_step()
+        return stats.metrics(grad_norm=grad_norm, lr=lr, tokens=float(batch.attention_mask.sum()),
+                             seconds=time.perf_counter() - start, dp_group=self.dp_group)
+
+    def _clip_and_step(self) -> float:
+        max_norm = self.config.optim.grad_clip
+        norm = self._grad_norm(max_norm if max_norm is not None else float("inf"))
+        if isinstance(norm, DTensor):  # when the parameters are sharded
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
+        """Write a complete checkpoint to `directory` (replacing one there only once the new one is whole)."""
+        self._settle()
+        state = {"model": get_model_state_dict(self.model),
+                 "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        main = self.dp_rank == 0
+        with staged_checkpoint(directory, is_main=main, group=self.dp_group) as staging:
+            dcp.save(state, checkpoint_id=staging, process_group=self.dp_group)  # the ranks FSDP shards over
+            if main:
+                save_trainer_state(staging, self, extra_state or {})
+                write_meta(staging, self.fingerprint, world_size=self.dp_size, backend=self.backend)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Restore model, optimizer, scheduler and the engine's RNG in place; returns the saved extra state."""
+        self._settle()
+        meta = check_meta(directory, self.fingerprint)
+        if meta.get("backend") == "megatron":
+            raise ValueError(f"{directory} was written by the megatron backend (dist_checkpointing shards); resume "
+                             f"it with backend=megatron, or start a new run from its hf_export")
+        state = {"model": get_model_state_dict(self.model),
+                 "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=directory, process_group=self.dp_group)
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        return load_trainer_state(directory, self)
+
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
+        tensors = list(self.model.parameters())
+        tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        local = sum(s.numel() * s.element_size() for s in shards)
+        (total,) = all_reduce([float(local)], group=self.dp_group)
+        return int(total) + 2**20
+
+    def export_hf(self, directory: str) -> None:
+        """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
+        weights; what transforms added is folded back or dropped: common.transforms)."""
+        self._settle()
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dp_rank == 0:
+            plain = export_state_dict(full, self.config.transforms)
+            with self._export_config():
+                save_critic(self.model, directory, state_dict=plain, overwrite=True)
+        barrier(self.dp_group)
+
+    def close(self) -> None:
+        """Release the sharded model and optimizer (and the mesh, when the engine built it). Call
+        before destroying the process group (common.distributed.shutdown)."""
+        self.model = self.optimizer = self.scheduler = None
+        self.dp_group = None  # a closed engine holds no process group (shutdown can then end them)
+        self._release_all()
+
+    def _release_all(self) -> None:
+        gc.collect()  # FSDP state and autograd graphs reference the mesh's groups
+        self._release()
+        if self._owns_mesh:
+            self.parallel.release()

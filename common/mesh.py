@@ -1,0 +1,117 @@
+"""One parallel mesh per engine: the degrees of every dimension, this rank's coordinates and the
+process group of each dimension, built once and passed in (torchtitan's ParallelDims, megatron's
+pg_collection) instead of "group None means everyone" and library globals.
+
+Dimensions, outermost to innermost (the tensor-parallel peers are adjacent ranks, as megatron lays
+them out): pp, dp, cp, sp (Ulysses), tp. The FSDP2-based engines build theirs with
+`build_mesh(parallel, dist)` (a torch DeviceMesh); megatron and VeOmni wrap the groups their
+libraries create (`ParallelMesh.from_groups`). Loading, DCP, loss normalisation and metric
+reductions use `dp_group`; collectives that every rank of the engine joins use `world_group`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as torch_dist
+
+from .config import ParallelConfig
+from .distributed import DistContext
+
+DIMS = ("pp", "dp", "cp", "sp", "tp")
+# ParallelConfig field of each model-parallel dimension.
+CONFIG_FIELDS = {"pp": "pipeline", "cp": "context", "sp": "ulysses", "tp": "tensor"}
+
+
+@dataclasses.dataclass(eq=False)
+class ParallelMesh:
+    sizes: dict[str, int]
+    """Degree of each of DIMS."""
+    coords: dict[str, int]
+    """This rank's index along each of DIMS."""
+    groups: dict[str, object]
+    """The process group of each dimension this rank is in (a group of one rank where the degree is 1)."""
+    world_group: object
+    """Every rank of the engine (the default group unless a host gave a sub-world)."""
+    device_mesh: object = None
+    """The torch DeviceMesh the groups came from, when build_mesh made them (FSDP shards over its "dp")."""
+
+    def __post_init__(self):
+        assert set(self.sizes) == set(DIMS) and set(self.coords) == set(DIMS), (self.sizes, self.coords)
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes["dp"]
+
+    @property
+    def world_size(self) -> int:
+        return _product(self.sizes.values())
+
+    def degrees(self) -> dict[str, int]:
+        """{config field: degree} of the model-parallel dimensions, e.g. {"tensor": 2, ...}."""
+        return {field: self.sizes[dim] for dim, field in CONFIG_FIELDS.items()}
+
+    def check_matches(self, parallel: ParallelConfig, *, who: str) -> None:
+        """ValueError when this mesh's model-parallel degrees are not the config's."""
+        wanted = {field: getattr(parallel, field) for field in CONFIG_FIELDS.values()}
+        if wanted != self.degrees():
+            raise ValueError(f"{who}: the mesh passed in has degrees {self.degrees()}, engine.parallel asks for "
+                             f"{wanted}; build the mesh from the same engine.parallel")
+
+    def release(self) -> None:
+        """Forget the groups (they belong to the default group; destroy_process_group ends them)."""
+        self.groups.clear()
+        self.world_group = self.device_mesh = None
+
+    @classmethod
+    def from_groups(cls, *, sizes: dict[str, int], groups: dict[str, object], world_group=None,
+                    device_mesh=None) -> "ParallelMesh":
+        """A mesh over groups that already exist (a library's, or a host's): the coordinates are this
+        rank's index in each group; dimensions not named have degree 1 and a group of this rank alone
+        is not needed for them (None)."""
+        full_sizes = {dim: sizes.get(dim, 1) for dim in DIMS}
+        full_groups = {dim: groups.get(dim) for dim in DIMS}
+        coords = {dim: (torch_dist.get_rank(group) if group is not None else 0) for dim, group in full_groups.items()}
+        for dim, group in full_groups.items():
+            if group is not None:
+                actual = torch_dist.get_world_size(group)
+                assert actual == full_sizes[dim], f"{dim} group has {actual} ranks, the mesh says {full_sizes[dim]}"
+        assert full_groups["dp"] is not None, "a mesh needs its data-parallel group"
+        return cls(full_sizes, coords, full_groups, world_group if world_group is not None else torch_dist.group.WORLD,
+                   device_mesh)
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def mesh_sizes(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Degree of each of DIMS for `world_size` ranks; data parallel takes what the others leave."""
+    sizes = {dim: getattr(parallel, field) for dim, field in CONFIG_FIELDS.items()}
+    sizes["dp"] = parallel.data_parallel_size(world_size)  # ValueError naming --nproc when it does not divide
+    return {dim: sizes[dim] for dim in DIMS}
+
+
+def build_mesh(parallel: ParallelConfig, dist: DistContext) -> ParallelMesh:
+    """The mesh of every rank of the default group (collective: every rank calls it, in the same order).
+
+    The DeviceMesh has the dimensions of degree > 1, plus "dp" always, so FSDP has a data-parallel
+    mesh to shard over even when it is one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = mesh_sizes(parallel, dist.world_size)
+    names = tuple(dim for dim in DIMS if sizes[dim] > 1 or dim == "dp")
+    device_mesh = init_device_mesh(dist.device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
+    groups = {dim: device_mesh.get_group(dim) for dim in names}
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups, device_mesh=device_mesh)

@@ -1,0 +1,170 @@
+"""The backend registry: one BackendSpec per backend says how to build its engine and what it can do.
+
+Everything that asks "which backends are there, and what does this one support" reads the specs:
+the launcher (checks, default process count), the trainer, error hints, the benchmark's backend
+list and the conformance suite (tests/conformance). A host stack adds its own backend with
+`register_backend(name, spec)` without editing this package.
+
+Importing this module imports no backend: factories are "module:callable" strings, imported only
+when that backend is built (a module name with a leading dot is relative to this package's root,
+so a vendored copy builds its own backends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable
+
+from .config import EngineConfig, ParallelConfig
+
+# The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
+PACKAGE_ROOT = __package__.rpartition(".")[0]
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Model-parallel dimensions a backend may implement (engine.parallel.<name>).
+PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses")
+# Engine settings only some backends honour (dotted under engine.), with their neutral values: one
+# set away from it on a backend that ignores it is an error, never silently dropped.
+OPTIONAL_KNOBS: dict[str, object] = {
+    "mixed_precision": "none",
+    "gradient_checkpointing": False,
+    "cpu_offload": False,
+    "model.attn_implementation": None,
+    "transforms": [],
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BackendSpec:
+    factory: str | Callable
+    """"module:callable" (module relative to the package root when it starts with a dot) or the
+    callable itself; factory(config, dist) -> CriticEngine."""
+    parallel_dims: frozenset[str] = frozenset()
+    """The model-parallel dimensions of PARALLEL_DIMS it implements (data parallel: always)."""
+    knobs: frozenset[str] = frozenset()
+    """The OPTIONAL_KNOBS it honours."""
+    launcher: str | None = None
+    """Its launcher module ("python -m <package><launcher>"), or None when it has none."""
+    default_config: str | None = None
+    """Its default job's YAML, relative to the package root (or absolute)."""
+
+    def __post_init__(self):
+        unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
+        if unknown:
+            raise ValueError(f"BackendSpec names {unknown}; parallel_dims come from {PARALLEL_DIMS}, knobs from "
+                             f"{tuple(OPTIONAL_KNOBS)}")
+
+    @property
+    def default_config_path(self) -> str | None:
+        if self.default_config is None:
+            return None
+        return self.default_config if os.path.isabs(self.default_config) else os.path.join(_REPO_ROOT, self.default_config)
+
+    @property
+    def launcher_module(self) -> str | None:
+        if self.launcher is None:
+            return None
+        return f"{PACKAGE_ROOT}{self.launcher}" if self.launcher.startswith(".") else self.launcher
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    "fsdp": BackendSpec(
+        factory=".backends.fsdp.engine:FSDPCriticEngine",
+        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
+                         "transforms"}),
+        launcher=".backends.fsdp.train",
+        default_config="backends/fsdp/configs/default.yaml",
+    ),
+    "megatron": BackendSpec(
+        factory=".backends.megatron.engine:MegatronCriticEngine",
+        parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel"}),
+        knobs=frozenset({"mixed_precision", "gradient_checkpointing"}),
+        launcher=".backends.megatron.train",
+        default_config="backends/megatron/configs/default.yaml",
+    ),
+    "veomni": BackendSpec(
+        factory=".backends.veomni.engine:VeOmniCriticEngine",
+        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
+                         "transforms"}),
+        launcher=".backends.veomni.train",
+        default_config="backends/veomni/configs/default.yaml",
+    ),
+}
+
+
+def register_backend(name: str, spec: BackendSpec, *, replace: bool = False) -> None:
+    """Add a backend (a host stack's own engine) under `name`; an existing name needs replace=True."""
+    if not isinstance(spec, BackendSpec):
+        raise TypeError(f"register_backend({name!r}, ...) needs a BackendSpec, got {type(spec).__name__}")
+    if name in BACKENDS and not replace:
+        raise ValueError(f"backend {name!r} is already registered; pass replace=True to replace it")
+    BACKENDS[name] = spec
+
+
+def unregister_backend(name: str) -> None:
+    BACKENDS.pop(name, None)
+
+
+def backend_spec(name: str) -> BackendSpec:
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not registered; available: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name]
+
+
+def backends_with(*, dim: str | None = None, knob: str | None = None) -> list[str]:
+    """Registered backends implementing a parallel dimension or honouring a knob, sorted."""
+    return sorted(name for name, spec in BACKENDS.items()
+                  if (dim is None or dim in spec.parallel_dims) and (knob is None or knob in spec.knobs))
+
+
+def _set_dims(parallel: ParallelConfig) -> dict[str, object]:
+    values = {name: getattr(parallel, name) for name in PARALLEL_DIMS}
+    return {name: value for name, value in values.items() if value not in (1, False)}
+
+
+def _knob_value(engine: EngineConfig, knob: str):
+    obj = engine
+    for part in knob.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_engine_config(name: str, engine: EngineConfig) -> None:
+    """ValueError naming every parallel degree `name` does not implement and every knob it would
+    ignore, with the registered backends that do; before any process group or model exists."""
+    spec = backend_spec(name)
+    problems = []
+    for dim, value in _set_dims(engine.parallel).items():
+        if dim not in spec.parallel_dims:
+            others = backends_with(dim=dim)
+            where = f"backend={' or backend='.join(others)}" if others else "no registered backend"
+            problems.append(f"engine.parallel.{dim}={str(value).lower()} (offered by {where})")
+    for knob, neutral in OPTIONAL_KNOBS.items():
+        value = _knob_value(engine, knob)
+        if value != neutral and knob not in spec.knobs:
+            others = backends_with(knob=knob)
+            where = f"backend={' or backend='.join(others)}" if others else "no registered backend"
+            problems.append(f"engine.{knob}={value} (honoured by {where})")
+    if engine.transforms and "transforms" in spec.knobs:
+        from .transforms import check_transforms
+
+        check_transforms(engine.transforms)
+    if problems:
+        offers = ", ".join(sorted(spec.parallel_dims)) or "data parallel only"
+        keys = "the key" if len(problems) == 1 else "those keys"
+        raise ValueError(f"the {name} backend does not implement {'; '.join(problems)}; it offers {offers}: unset "
+                         f"{keys}, or choose a backend that offers {'it' if len(problems) == 1 else 'them'}")
+
+
+def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
+    """The engine of a registered backend: factory(config, dist, **kwargs)."""
+    spec = backend_spec(backend)
+    check_engine_config(backend, config)
+    factory = spec.factory
+    if isinstance(factory, str):
+        module_name, attr = factory.split(":")
+        module = importlib.import_module(module_name, package=PACKAGE_ROOT or None)
+        factory = getattr(module, attr)
+    return factory(config, dist, **kwargs)

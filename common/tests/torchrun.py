@@ -1,0 +1,33 @@
+"""Run a module under torchrun, or a backend's launcher, from a test (CPU, gloo), with this
+interpreter's import path: the one helper every backend's tests and the conformance suite use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def worker_env(**extra: str) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
+                TRL_EXPERIMENTAL_SILENCE="1", **extra)
+
+
+def torchrun_command(nproc: int, module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", module, *args]
+
+
+def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
+                 timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run it with output captured by pipes (as CI sees it); assert every rank exited 0."""
+    result = subprocess.run(torchrun_command(nproc, module, *args), env=env or worker_env(), capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, f"torchrun {module} {args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def run_launcher(launcher: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1)."""
+    return subprocess.run([sys.executable, "-m", launcher, *args], env=worker_env(), capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,92 @@
+"""Model transforms: the step between loading a critic and parallelising it (torchtitan's
+ModelConverter), where a list of named transforms rewrites the critic (LoRA is the next one).
+
+A transform rewrites an HF-named critic module in place: it may add or replace modules and freeze
+parameters. Every rank applies it to its own copy (rank 0 to the loaded critic, the others to the
+meta tree they shard), so it must be deterministic in what it builds; a parameter it adds starts
+from values it sets on the loaded copy (rank 0's are broadcast). Optimizers are built from the
+trainable parameters only (`trainable_parameters`). At export, each transform's `to_plain` maps
+the full state dict back to the plain critic's (fold an adapter in, drop what it added), last
+transform first, so `export_hf` always writes a plain *ForTokenClassification. The checkpoint
+fingerprint records the transforms and which parameters they left trainable
+(common.checkpoints.critic_fingerprint).
+
+engine.transforms names them, in order; `register_transform(name, transform)` adds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .valuehead.config import critic_head
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelTransform:
+    apply: Callable[[torch.nn.Module], None]
+    """Rewrite the critic in place (before any sharding; on the meta device on most ranks)."""
+    to_plain: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    """The plain critic's full state dict from the transformed one's; None when the keys are unchanged."""
+    doc: str = ""
+
+
+def _freeze(params) -> None:
+    for p in params:
+        p.requires_grad_(False)
+
+
+def _freeze_embeddings(model: torch.nn.Module) -> None:
+    _freeze(model.get_input_embeddings().parameters())
+
+
+def _freeze_backbone(model: torch.nn.Module) -> None:
+    head = set(id(p) for p in critic_head(model).parameters())
+    _freeze(p for p in model.parameters() if id(p) not in head)
+
+
+TRANSFORMS: dict[str, ModelTransform] = {
+    "freeze_embeddings": ModelTransform(apply=_freeze_embeddings,
+                                        doc="train everything but the input embeddings"),
+    "freeze_backbone": ModelTransform(apply=_freeze_backbone,
+                                      doc="train the value head only (a linear probe on the backbone)"),
+}
+
+
+def register_transform(name: str, transform: ModelTransform, *, replace: bool = False) -> None:
+    if name in TRANSFORMS and not replace:
+        raise ValueError(f"transform {name!r} is already registered; pass replace=True to replace it")
+    TRANSFORMS[name] = transform
+
+
+def check_transforms(names) -> None:
+    unknown = [name for name in names if name not in TRANSFORMS]
+    if unknown:
+        raise ValueError(f"engine.transforms names {unknown}, which are not registered; available: "
+                         f"{', '.join(sorted(TRANSFORMS))}")
+
+
+def apply_transforms(model: torch.nn.Module, names) -> torch.nn.Module:
+    """`model` rewritten by each named transform in order; ValueError when it leaves nothing to train."""
+    check_transforms(names)
+    for name in names:
+        TRANSFORMS[name].apply(model)
+    if names and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"engine.transforms={list(names)} froze every parameter: nothing is left to train")
+    return model
+
+
+def export_state_dict(state: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """The plain critic's state dict from the transformed critic's (last transform first)."""
+    for name in reversed(list(names)):
+        to_plain = TRANSFORMS[name].to_plain
+        if to_plain is not None:
+            state = to_plain(state)
+    return state
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What an optimizer steps: the parameters a transform left trainable."""
+    return [p for p in model.parameters() if p.requires_grad]

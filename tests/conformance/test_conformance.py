@@ -1,0 +1,97 @@
+"""The engine contract, checked the same way for every registered backend (a backend registered
+with common.registry.register_backend gets these tests by being listed in BACKENDS).
+
+Each backend runs tests/conformance/worker.py once on 2 gloo ranks; the tests below read what each
+rank saw. Under Bazel, one target per backend sets CONFORMANCE_BACKEND; under plain pytest every
+registered backend is a parameter.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification
+
+from critic_adapters.common.registry import BACKENDS
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.valuehead import compute_values
+from critic_adapters.tests.conformance.worker import rollout
+
+SELECTED = os.environ.get("CONFORMANCE_BACKEND")
+NAMES = [SELECTED] if SELECTED else sorted(BACKENDS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def run(request, tmp_path_factory):
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"conformance-{backend}")
+    model_dir = save_tiny_causal_lm("qwen2", str(root / "model"))
+    work = root / "work"
+    work.mkdir()
+    run_torchrun(2, "critic_adapters.tests.conformance.worker", backend, model_dir, str(work),
+                 env=worker_env(PYTHONWARNINGS="ignore"), timeout=900)
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
+    return backend, work, ranks
+
+
+def test_every_rank_knows_its_data_parallel_coordinates_from_the_mesh(run):
+    _, _, ranks = run
+    for rank in ranks:
+        c = rank["coords"]
+        assert (c["parallel_dp_rank"], c["parallel_dp_size"]) == (c["dp_rank"], c["dp_size"]) == (c["dp_rank"], 2)
+        assert c["dp_group_size"] == 2
+        assert rank["all_dp_ranks"] == [0, 1]
+
+
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_old_checkpoint(run):
+    _, work, ranks = run
+    assert [r["failing_save"]["raised"] for r in ranks] == ["OSError", "RuntimeError"]
+    assert all(r["staging_left"] == [] for r in ranks)
+    assert all(r["old_checkpoint_values_diff"] == 0.0 for r in ranks)
+
+
+def test_nan_returns_on_one_rank_are_refused_on_every_rank(run):
+    _, _, ranks = run
+    messages = [r["nan"]["raised"] for r in ranks]
+    assert all(m is not None for m in messages), messages
+    assert "another rank" in messages[0] and "returns has 1 non-finite" in messages[1], messages
+
+
+def test_a_second_engine_resumes_the_checkpoint_exactly(run):
+    _, _, ranks = run
+    for rank in ranks:
+        assert rank["resume_values_diff"] <= 1e-6
+        assert rank["resumed_next_loss"] == pytest.approx(rank["next_loss"], rel=1e-6, abs=1e-9)
+        assert {"value_loss", "grad_norm", "explained_variance", "lr"} <= set(rank["metrics_keys"])
+
+
+def test_the_export_is_a_plain_token_classification_critic_with_the_engine_values(run):
+    _, work, _ = run
+    model, info = AutoModelForTokenClassification.from_pretrained(str(work / "hf_export"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.num_labels == 1 and model.config.architectures[0].endswith("ForTokenClassification")
+    for r in range(2):
+        batch = rollout(r)
+        expected = torch.load(work / f"values{r}.pt")
+        got = compute_values(model, batch.input_ids, batch.attention_mask)
+        mask = batch.attention_mask.bool()
+        assert float((got - expected).abs()[mask].max()) <= 1e-4
+
+
+def test_engines_leave_the_process_as_they_found_it(run):
+    _, _, ranks = run
+    for rank in ranks:
+        assert rank["side_effects"] == [], rank["side_effects"]
+
+
+def test_no_gloo_worker_thread_outlives_shutdown(run):
+    """A gloo group alive at interpreter exit can abort the process (common.distributed.shutdown)."""
+    _, _, ranks = run
+    assert [r["gloo_threads_after_shutdown"] for r in ranks] == [0, 0]
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

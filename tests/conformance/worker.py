@@ -1,0 +1,181 @@
+"""Torchrun worker of the conformance suite: one backend's engine through the whole contract on 2
+ranks, each rank writing what it saw to WORKDIR/rank<r>.json (test_conformance.py checks it).
+
+  python -m critic_adapters.tests.conformance.worker BACKEND MODEL_DIR WORKDIR
+
+In order: a warm-up engine (lazy imports may install their own warning filters or attention
+names once), then a snapshot of the process's state; an engine's coordinates; a save that fails on
+rank 0 only; NaN returns on rank 1 only; an update, a save, a second engine loading that checkpoint;
+an HF export; close, then every patched function, environment variable, RNG and warning filter
+compared with the snapshot; then shutdown and the gloo worker threads still alive.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import sys
+import warnings
+
+import torch
+import torch.distributed as torch_dist
+
+from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import all_gather_object, barrier, gloo_worker_threads, init_distributed, shutdown
+from critic_adapters.common.engine import RolloutBatch
+from critic_adapters.common.registry import build_engine
+
+# Process-wide things an engine might patch: (module name, attribute). Compared by identity.
+WATCHED = [("torch.cuda", name) for name in ("current_device", "synchronize", "empty_cache", "is_available")] + [
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb"),
+    ("megatron.core.utils", "GlobalMemoryBuffer.get_tensor"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER"),
+    ("transformers.loss.loss_utils", "LOSS_MAPPING"),
+]
+NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def _lookup(module_name: str, dotted: str):
+    obj = sys.modules.get(module_name)
+    if obj is None:
+        return "<not imported>"
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def snapshot() -> dict:
+    from transformers import AttentionInterface
+
+    return {
+        "watched": {f"{m}:{a}": id(_lookup(m, a)) for m, a in WATCHED},
+        "environ": dict(os.environ),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "warning_filters": list(warnings.filters),
+        "attention": {k: id(v) for k, v in AttentionInterface._global_mapping.items()},
+    }
+
+
+def changes(before: dict, after: dict) -> list[str]:
+    out = [f"{key} was replaced" for key, ident in before["watched"].items()
+           if ident != after["watched"][key] and "<not imported>" not in key]
+    env_keys = set(before["environ"]) | set(after["environ"])
+    out += [f"os.environ[{k}]: {before['environ'].get(k)!r} -> {after['environ'].get(k)!r}"
+            for k in sorted(env_keys) if before["environ"].get(k) != after["environ"].get(k)]
+    if not torch.equal(before["torch_rng"], after["torch_rng"]):
+        out.append("torch's global RNG moved")
+    if before["python_rng"] != after["python_rng"]:
+        out.append("python's random moved")
+    if before["warning_filters"] != after["warning_filters"]:
+        out.append("warnings.filters changed")
+    out += [f"attention {name!r} was overridden" for name, ident in before["attention"].items()
+            if after["attention"].get(name) != ident]
+    return out
+
+
+def engine_config(model_dir: str) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3),
+                        loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=64))
+
+
+def rollout(rank: int, nan: bool = False) -> RolloutBatch:
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, 990, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    response = torch.zeros_like(ids)
+    response[:, 4:] = 1
+    response *= mask
+    returns = torch.randn(3, 12, generator=g) * response
+    if nan:
+        returns[0, 5] = float("nan")
+    return RolloutBatch(ids * mask, mask, response, torch.zeros(3, 12), returns)
+
+
+def failing_save(engine, directory: str) -> dict:
+    """Rank 0's trainer-state write fails (disk full) after the shards are written."""
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if str(f).endswith("trainer_state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    if engine.dist.is_main:
+        torch.save = full_disk
+    try:
+        engine.save_checkpoint(directory)
+        return {"raised": None}
+    except (OSError, RuntimeError) as err:
+        return {"raised": type(err).__name__}
+    finally:
+        torch.save = real_save
+
+
+def main() -> None:
+    backend, model_dir, workdir = sys.argv[1:4]
+    dist = init_distributed()
+    config = engine_config(model_dir)
+    out: dict = {}
+
+    build_engine(backend, config, dist).close()  # warm-up: first imports
+    before = snapshot()
+
+    engine = build_engine(backend, config, dist)
+    out["coords"] = {"dp_rank": engine.dp_rank, "dp_size": engine.dp_size,
+                     "parallel_dp_rank": engine.parallel.dp_rank, "parallel_dp_size": engine.parallel.dp_size,
+                     "dp_group_size": torch_dist.get_world_size(engine.dp_group)}
+    out["all_dp_ranks"] = sorted(all_gather_object(engine.dp_rank))
+
+    good = os.path.join(workdir, "ckpt")
+    engine.update(rollout(dist.rank + 4))  # megatron's optimizer has no state to load before its first step
+    engine.save_checkpoint(good)
+    values_at_save = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
+    out["failing_save"] = failing_save(engine, good)
+    barrier()  # rank 0 removes the staging directory after the others have raised
+    out["staging_left"] = sorted(n for n in os.listdir(workdir) if n.startswith("."))
+    engine.load_checkpoint(good)  # the old checkpoint still loads
+    out["old_checkpoint_values_diff"] = float(
+        (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_at_save)
+        .abs().max())
+
+    try:
+        engine.update(rollout(dist.rank, nan=dist.rank == 1))
+        out["nan"] = {"raised": None}
+    except ValueError as err:
+        out["nan"] = {"raised": str(err)}
+
+    metrics = engine.update(rollout(dist.rank))
+    out["metrics_keys"] = sorted(metrics)
+    resumed_dir = os.path.join(workdir, "after_update")
+    engine.save_checkpoint(resumed_dir)
+    values = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
+    export_dir = os.path.join(workdir, "hf_export")
+    engine.export_hf(export_dir)
+    out["next_loss"] = engine.update(rollout(dist.rank + 2))["value_loss"]
+    engine.close()
+
+    second = build_engine(backend, config, dist)
+    second.load_checkpoint(resumed_dir)
+    resumed = second.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
+    out["resume_values_diff"] = float((resumed - values).abs().max())
+    out["resumed_next_loss"] = second.update(rollout(dist.rank + 2))["value_loss"]
+    second.close()
+    torch.save(values, os.path.join(workdir, f"values{dist.rank}.pt"))
+
+    out["side_effects"] = changes(before, snapshot())
+    shutdown()
+    out["gloo_threads_after_shutdown"] = len(gloo_worker_threads())
+    with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
