@@ -2,7 +2,7 @@
 the same data and weights.
 
   python -m critic_adapters.bench.critic_update [--repeats 3] [--sequences 16] [--out docs/bench.json]
-                                                [--backends megatron,veomni]   (engines beside FSDP's)
+                                                [--backends megatron,veomni]   (registered engines beside FSDP's)
   python bench/critic_update.py ...                  (the same, run as a file)
   bazel run //bench:critic_update -- ...             (paths are relative to where you run it)
 
@@ -10,8 +10,9 @@ the same data and weights.
 (b) padded-tokencls *ForTokenClassification, micro-batches of consecutive rows of the padded batch
 (c) sorted-tokencls (b) with rows sorted by length and each micro-batch trimmed to its longest row
 (d) engine          FSDPCriticEngine (world of one): packed rows, per-sequence attention, token budget
-(e) megatron        MegatronCriticEngine (world of one, TP 1): the same batch, weights and token budget
-(f) veomni-engine   VeOmniCriticEngine (world of one), the same settings: the critic built by VeOmni
+(e) <name>-engine   every other registered backend's engine (common/registry.py; by default all of
+                    them: megatron at TP 1, veomni), world of one, the same batch, weights and token
+                    budget, alive beside the FSDP engine in this one process
 Each step is a full update: forward, clipped value loss (normalised over the mini-batch), backward,
 AdamW. The values pass is what PPO runs over every rollout batch before its updates: a forward-only
 (no_grad) compute of the critic's values, with the same micro-batches. Reported: valid (non-padding)
@@ -22,6 +23,7 @@ measured in the same run. Variants run round-robin per repeat; the numbers are m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -206,12 +208,10 @@ def build(workdir: str, sequences: int, other_backends: list[str]):
         "values:sorted-tokencls": lambda: padded_values(critic, batch, sorted_rows, trim=True, trl=False),
         "values:engine": lambda: engine.compute_values(batch.input_ids, batch.attention_mask),
     }
-    if "megatron" in others:
-        variants["megatron"] = lambda: others["megatron"].update(batch)
-    if "veomni" in others:
-        variants["veomni-engine"] = lambda: others["veomni"].update(batch)
-        variants["values:veomni-engine"] = lambda: others["veomni"].compute_values(batch.input_ids,
-                                                                                 batch.attention_mask)
+    for name, other in others.items():
+        variants[f"{name}-engine"] = functools.partial(other.update, batch)
+        variants[f"values:{name}-engine"] = functools.partial(other.compute_values, batch.input_ids,
+                                                              batch.attention_mask)
     return variants, batch, critic, (engine, *others.values())
 
 
@@ -220,8 +220,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--backends", default="megatron,veomni",
-                        help="other engines to run beside the FSDP one (comma-separated; '' for none)")
+    from critic_adapters.common.registry import BACKENDS
+
+    others = ",".join(sorted(name for name in BACKENDS if name != "fsdp"))
+    parser.add_argument("--backends", default=others,
+                        help=f"other registered engines to run beside the FSDP one (comma-separated; '' for "
+                             f"none; default {others})")
     args = parser.parse_args(argv)
     other_backends = [name for name in args.backends.split(",") if name]
     if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run`: --out is relative to the user's directory
@@ -269,10 +273,9 @@ def main(argv=None) -> int:
         "values_speedup_vs_trl": rate["values:engine"] / rate["values:trl-valuehead"],
         "values_speedup_vs_padded": rate["values:engine"] / rate["values:padded-tokencls"],
         "values_speedup_vs_sorted": rate["values:engine"] / rate["values:sorted-tokencls"],
-        **({"megatron_vs_fsdp": rate["megatron"] / rate["engine"]} if "megatron" in rate else {}),
-        **({"veomni_vs_fsdp_engine": rate["veomni-engine"] / rate["engine"],
-            "values_veomni_vs_fsdp_engine": rate["values:veomni-engine"] / rate["values:engine"]}
-           if "veomni-engine" in rate else {}),
+        "other_engines_vs_fsdp": {name: {"update": rate[f"{name}-engine"] / rate["engine"],
+                                         "values": rate[f"values:{name}-engine"] / rate["values:engine"]}
+                                  for name in other_backends},
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -280,13 +283,10 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-    if "megatron_vs_fsdp" in result:
-        print(f"megatron vs fsdp engine: {result['megatron_vs_fsdp']:.2f}")
+    for name, ratio in result["other_engines_vs_fsdp"].items():
+        print(f"{name} vs fsdp engine: {ratio['update']:.2f} (values pass: {ratio['values']:.2f})")
     print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
-    if "veomni_vs_fsdp_engine" in result:
-        print(f"veomni vs fsdp engine: {result['veomni_vs_fsdp_engine']:.2f} (values pass: "
-              f"{result['values_veomni_vs_fsdp_engine']:.2f})")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['speedup_vs_sorted']:.2f}, "
           f"peak fraction: {result['peak_fraction']:.2f}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import os
 import socket
 import warnings
@@ -48,7 +49,7 @@ def init_distributed() -> DistContext:
         # is imported: imported once the group exists (megatron and others do), it would hold the
         # default group for the life of the process (see _release_destroyed_groups). Imported now,
         # its defaults are None, "the default group at call time".
-        import torch.distributed.nn.functional  # noqa: F401
+        importlib.import_module("torch.distributed.nn.functional")
         if "RANK" not in os.environ:  # not under torchrun: a world of one, with an in-process store
             # (no port to bind: a free port picked here can be taken before the bind). The env://
             # variables are still set for libraries whose helper processes read them (megatron's

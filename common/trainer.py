@@ -152,7 +152,7 @@ def check_model_values(predictions: torch.Tensor, response_mask: torch.Tensor, c
     if bad:
         raise ValueError(f"{what} are NaN/inf at {bad} response tokens: the model ({config.engine.model.path}) "
                          f"produces them, not the rollout data (which was checked). Check its weights (python -m "
-                         f"common.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
+                         f"{__package__}.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
 
 
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:

@@ -1,12 +1,13 @@
 """Train a PPO critic with the megatron-core engine: python -m critic_adapters.backends.megatron.train [CONFIG.yaml ...] [key=value ...]
 
-  python -m critic_adapters.backends.megatron.train --nproc 2          # the default job: TP 2 on 2 CPU processes
+  python -m critic_adapters.backends.megatron.train                    # the default job: TP 2, so 2 CPU processes
   python -m critic_adapters.backends.megatron.train --nproc 4 cfg.yaml engine.parallel.tensor=2 engine.parallel.pipeline=2
   torchrun --nproc_per_node 8 -m critic_adapters.backends.megatron.train cfg.yaml engine.parallel.tensor=4
   python -m critic_adapters.backends.megatron.train cfg.yaml --resume  # continue from the latest checkpoint
   python -m critic_adapters.backends.megatron.train cfg.yaml --dry-run # validate config + data, no training
 
-Data parallel is the world size divided by tensor x pipeline. Keys: common/config.py or
+Without --nproc it starts the processes engine.parallel needs (tensor x pipeline); data parallel is
+the world size divided by tensor x pipeline. Keys: common/config.py or
 --print-config; the launcher is common/launcher.py, shared by every backend.
 """
 

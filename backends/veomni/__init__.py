@@ -1,1 +1,2 @@
-"""VeOmni critic engine (build_foundation_model + FSDP2 through VeOmni), checkpointing and launcher."""
+"""VeOmni critic engine (build_foundation_model + FSDP2 through VeOmni) and launcher; the engine API,
+checkpoints and export are common/fsdp2_core.py's."""

@@ -1,7 +1,7 @@
 """Detect which critic checkpoint format a directory holds and where its value head lives.
 
 Every format in the wild stores the same thing — a backbone and a [1, H] linear head, read at each
-token — under different names (see docs/ARCHITECTURE.md, "Checkpoint formats"). Detection only
+token — under different names (see docs/ARCHITECTURE.md, "The critic": formats read). Detection only
 needs tensor names and shapes, so it is explicit and cheap, and the result says exactly how to
 rename the head to our `score.*` layout.
 """

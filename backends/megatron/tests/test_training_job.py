@@ -27,12 +27,22 @@ def launch(*args, timeout=900):
 
 def test_default_job_learns_at_tensor_parallel_two(tmp_path):
     run_dir = tmp_path / "default"
-    result = launch("--nproc", "2", f"trainer.run_dir={run_dir}")
+    result = launch(f"trainer.run_dir={run_dir}")  # no --nproc: the layout (TP 2) needs 2 processes
     assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.splitlines()[0].startswith("starting 2 processes, the engine.parallel layout's"), result.stdout
     assert "over 1 data-parallel rank(s)" in result.stdout  # 2 processes, one TP pair
     assert final_explained_variance(result.stdout) >= 0.5
     losses = [r["value_loss"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"
+
+
+def test_process_counts_the_layout_cannot_use_are_refused_before_any_process_starts(tmp_path):
+    run_dir = tmp_path / "refused"
+    for nproc, message in (("3", "3 processes cannot be split into groups of engine.parallel tensor x pipeline"),
+                           ("0", "--nproc 0: the process count must be >= 1")):
+        result = launch("--nproc", nproc, f"trainer.run_dir={run_dir}", timeout=120)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert not run_dir.exists()
 
 
 def _weights(run_dir):

@@ -1,0 +1,74 @@
+"""Backend specs: what a backend implements is declared once, in its registry entry, and every
+check and hint reads it; a host stack registers its own backend without editing the package."""
+
+import pytest
+
+from critic_adapters.common.config import EngineConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.registry import (
+    BACKENDS,
+    BackendSpec,
+    backend_spec,
+    build_engine,
+    check_engine_config,
+    register_backend,
+    unregister_backend,
+)
+from critic_adapters.common.tests.helpers import run_pytest
+
+
+class ToyEngine:
+    """A host's own engine: only what building needs."""
+
+    def __init__(self, config, dist, mesh=None):
+        self.config, self.dist, self.mesh = config, dist, mesh
+
+
+@pytest.fixture
+def toy():
+    register_backend("toy", BackendSpec(factory=f"{__name__}:ToyEngine", parallel_dims=frozenset({"tensor"}),
+                                        knobs=frozenset({"cpu_offload"})))
+    yield "toy"
+    unregister_backend("toy")
+
+
+def test_a_backend_registered_from_outside_is_built_and_checked_by_its_spec(toy):
+    config = EngineConfig(model=ModelConfig(path="unused"), parallel=ParallelConfig(tensor=2), cpu_offload=True)
+    engine = build_engine(toy, config, init_distributed())
+    assert isinstance(engine, ToyEngine) and engine.config is config
+    with pytest.raises(ValueError, match=r"engine\.parallel\.tensor=2 \(offered by backend=megatron or backend=toy\)"):
+        check_engine_config("fsdp", config)
+
+
+def test_knobs_a_backend_ignores_are_errors_naming_the_backends_that_honour_them():
+    with pytest.raises(ValueError, match=r"megatron backend does not implement engine\.cpu_offload=True "
+                                         r"\(honoured by backend=fsdp or backend=veomni\)"):
+        check_engine_config("megatron", EngineConfig(cpu_offload=True))
+    with pytest.raises(ValueError, match=r"engine\.model\.attn_implementation=eager"):
+        check_engine_config("megatron", EngineConfig(model=ModelConfig(attn_implementation="eager")))
+    with pytest.raises(ValueError, match=r"engine\.transforms=\['freeze_backbone'\]"):
+        check_engine_config("megatron", EngineConfig(transforms=["freeze_backbone"]))
+    check_engine_config("fsdp", EngineConfig(cpu_offload=True, transforms=["freeze_backbone"]))
+
+
+def test_unknown_backends_transforms_and_spec_fields_are_refused_by_name(toy):
+    with pytest.raises(ValueError, match="backend='nope' is not registered; available: fsdp, megatron, toy, veomni"):
+        backend_spec("nope")
+    with pytest.raises(ValueError, match=r"engine\.transforms names \['lora9'\], which are not registered"):
+        check_engine_config("fsdp", EngineConfig(transforms=["lora9"]))
+    with pytest.raises(ValueError, match="BackendSpec names \\['warp'\\]"):
+        BackendSpec(factory="x:y", parallel_dims=frozenset({"warp"}))
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("toy", BACKENDS["toy"])
+
+
+def test_every_shipped_backend_names_its_launcher_and_default_config():
+    for name in ("fsdp", "megatron", "veomni"):
+        spec = backend_spec(name)
+        assert spec.launcher_module == f"critic_adapters.backends.{name}.train"
+        with open(spec.default_config_path) as f:
+            assert f"backend: {name}" in f.read()
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

@@ -1,0 +1,90 @@
+"""torchrun worker for test_coexistence: engines that share a process with each other and with a
+host that set up megatron's parallel state itself. Each rank writes WORKDIR/rank<r>.json.
+
+  python -m critic_adapters.tests.coexist_worker MODEL_DIR WORKDIR
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as torch_dist
+from megatron.core import parallel_state
+
+from critic_adapters.common.config import EngineConfig, ParallelConfig
+from critic_adapters.common.distributed import gloo_worker_threads, init_distributed, shutdown
+from critic_adapters.common.registry import build_engine
+from critic_adapters.tests.conformance.worker import engine_config, rollout
+
+
+def values(engine, rank):
+    batch = rollout(rank)
+    return engine.compute_values(batch.input_ids, batch.attention_mask)
+
+
+def two_megatron_engines(config, dist, workdir) -> dict:
+    first = build_engine("megatron", config, dist)
+    first.update(rollout(dist.rank))
+    ckpt = os.path.join(workdir, "first")
+    first.save_checkpoint(ckpt)
+    second = build_engine("megatron", config, dist)  # while the first is alive
+    second.load_checkpoint(ckpt)
+    out = {"second_vs_first": float((values(second, dist.rank) - values(first, dist.rank)).abs().max())}
+    before = values(first, dist.rank)
+    second.close()
+    out["first_after_second_closed"] = float((values(first, dist.rank) - before).abs().max())
+    first.update(rollout(dist.rank))  # still trains
+    first.close()
+    out["groups_left"] = parallel_state.model_parallel_is_initialized()
+    return out
+
+
+def host_parallel_state(config, dist) -> dict:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    host_dp = parallel_state.get_data_parallel_group()
+    engine = build_engine("megatron", config, dist)
+    out = {"engine_dp_group_is_hosts": engine.dp_group is host_dp, "values_sum": float(values(engine, 0).sum())}
+    engine.close()
+    out["host_groups_kept"] = parallel_state.model_parallel_is_initialized()
+    probe = torch.ones(1)
+    torch_dist.all_reduce(probe, group=parallel_state.get_data_parallel_group())
+    out["host_dp_all_reduce"] = float(probe)
+    try:
+        build_engine("megatron", EngineConfig(model=config.model, parallel=ParallelConfig(tensor=2)), dist)
+        out["other_layout"] = None
+    except ValueError as err:
+        out["other_layout"] = str(err)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def fsdp_beside_megatron(config, dist) -> dict:
+    fsdp = build_engine("fsdp", config, dist)
+    megatron = build_engine("megatron", config, dist)
+    out = {"values_diff": float((values(fsdp, dist.rank) - values(megatron, dist.rank)).abs().max())}
+    losses = [engine.update(rollout(dist.rank))["value_loss"] for engine in (fsdp, megatron)]
+    out["losses"] = losses
+    megatron.close()
+    out["fsdp_after_megatron_closed"] = fsdp.update(rollout(dist.rank))["value_loss"]
+    fsdp.close()
+    return out
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    model_dir, workdir = sys.argv[1:3]
+    dist = init_distributed()
+    config = engine_config(model_dir)
+    out = {"two_megatron": two_megatron_engines(config, dist, workdir),
+           "host": host_parallel_state(config, dist),
+           "mix": fsdp_beside_megatron(config, dist)}
+    shutdown()
+    out["gloo_threads_after_shutdown"] = len(gloo_worker_threads())
+    with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The model-transform stage (common/transforms.py) on the FSDP2-based engines: transforms rewrite
+the critic between load and parallelise, optimizers step the trainable parameters only, the
+fingerprint records the transforms, and export_hf writes a plain critic (what a transform added is
+folded back) whose values are the engine's."""
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification
+
+from critic_adapters.common.checkpoints import critic_fingerprint
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.valuehead import compute_values, load_critic
+from critic_adapters.tests.conformance.worker import rollout
+
+RUNS = {  # name -> (backend, ranks, transforms)
+    "fsdp-1-freeze": ("fsdp", 1, "freeze_backbone"),
+    "fsdp-2-freeze-scaled": ("fsdp", 2, "freeze_backbone,scaled_head"),
+    "veomni-2-freeze": ("veomni", 2, "freeze_backbone"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_causal_lm("qwen2", str(tmp_path_factory.mktemp("transforms") / "model"))
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def run(request, model_dir, tmp_path_factory):
+    backend, ranks, transforms = RUNS[request.param]
+    work = tmp_path_factory.mktemp(request.param)
+    run_torchrun(ranks, "critic_adapters.tests.transform_worker", model_dir, str(work), transforms, backend,
+                 env=worker_env(PYTHONWARNINGS="ignore"))
+    return transforms.split(","), work, torch.load(work / "result.pt")
+
+
+def test_only_the_trainable_parameters_are_optimized_and_change(run):
+    transforms, _, result = run
+    head = {"score.weight", "score.bias"} | ({"score.scale"} if "scaled_head" in transforms else set())
+    assert set(result["trainable"]) == head
+    assert result["optimized"] == len(head)
+    for name, before in result["before"].items():
+        changed = not torch.equal(before, result["after"][name])
+        assert changed == (name in head), f"{name} changed={changed}"
+
+
+def test_the_fingerprint_records_the_transforms(run, model_dir):
+    transforms, _, result = run
+    plain = critic_fingerprint(load_critic(model_dir)[0])
+    assert result["fingerprint"]["transforms"] == transforms
+    assert result["fingerprint"] != plain  # a checkpoint of the untransformed critic is refused
+
+
+def test_the_export_is_the_plain_critic_with_the_engine_values(run):
+    transforms, work, result = run
+    model, info = AutoModelForTokenClassification.from_pretrained(str(work / "hf_export"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    batch = rollout(0)
+    got = compute_values(model, batch.input_ids, batch.attention_mask)
+    assert float((got - result["values"]).abs()[batch.attention_mask.bool()].max()) <= 1e-5
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

@@ -1,0 +1,49 @@
+"""torchrun worker for test_transforms: an FSDP engine with transforms, on 1 or 2 ranks.
+
+  python -m critic_adapters.tests.transform_worker MODEL_DIR WORKDIR TRANSFORM[,TRANSFORM...]
+Rank 0 writes WORKDIR/result.pt: optimizer parameter count, trainable names, parameters before and
+after one update (full tensors), the fingerprint, the engine's values; the HF export goes to
+WORKDIR/hf_export.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.registry import build_engine
+from critic_adapters.tests.conformance.worker import rollout
+from critic_adapters.tests.transforms_for_tests import register_test_transforms
+
+
+def full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    model_dir, workdir, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    register_test_transforms()
+    dist = init_distributed()
+    config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-2), transforms=names)
+    engine = build_engine(sys.argv[4] if len(sys.argv) > 4 else "fsdp", config, dist)
+    before = {n: full(p) for n, p in engine.model.named_parameters()}
+    engine.update(rollout(dist.rank))
+    after = {n: full(p) for n, p in engine.model.named_parameters()}
+    values = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
+    engine.export_hf(os.path.join(workdir, "hf_export"))
+    result = {"optimized": sum(len(g["params"]) for g in engine.optimizer.param_groups),
+              "trainable": sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
+              "before": before, "after": after, "fingerprint": engine.fingerprint, "values": values}
+    engine.close()
+    if dist.is_main:
+        torch.save(result, os.path.join(workdir, "result.pt"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
