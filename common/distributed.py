@@ -142,7 +142,9 @@ def _release_destroyed_groups() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # By the MRO, not isinstance: DeviceMesh's metaclass hooks isinstance, and through it every
+        # object in the process would be probed (deprecated torch attributes warn when probed).
+        if DeviceMesh in type(obj).__mro__:
             obj._pg_registry.clear()
     gc.collect()  # the groups' destructors join their worker threads, with the interpreter alive
 

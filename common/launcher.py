@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C
 

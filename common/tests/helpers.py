@@ -8,6 +8,8 @@ import sys
 import torch
 
 VOCAB = 1000
+# The tensors of a RolloutBatch, in its field order (what the torchrun test workers save and load).
+FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
 
 def padded_batch(seed: int = 0, batch: int = 3, length: int = 9, vocab: int = VOCAB):

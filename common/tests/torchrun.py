@@ -8,8 +8,14 @@ import subprocess
 import sys
 
 
+# What common.distributed.init_distributed sets in a test process that made a world of one: a child
+# inheriting it would take itself for a torchrun worker (and share the parent's rendezvous port).
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def worker_env(**extra: str) -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
                 TRL_EXPERIMENTAL_SILENCE="1", **extra)
 
 

@@ -3,8 +3,6 @@
   python -m critic_adapters.backends.fsdp.tests.contract_worker train  RUN_DIR BACKEND [key=value ...]
       run the training job; BACKEND `one_dp_rank` makes every process the same single DP rank
       (what tensor-parallel peers are to the trainer)
-  python -m critic_adapters.backends.fsdp.tests.contract_worker save-fails MODEL_DIR WORKDIR
-      a checkpoint save that fails on rank 0 only: every rank must raise, the old checkpoint stays
   python -m critic_adapters.backends.fsdp.tests.contract_worker sharded-load MODEL_DIR WORKDIR
       rank 1's added peak memory while the engine is built, and the engine's values
 """
@@ -18,14 +16,12 @@ import psutil
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common import fsdp2_core
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows
 from critic_adapters.common.mesh import ParallelMesh
 from critic_adapters.common.registry import BackendSpec, register_backend
-from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig, load_train_config
+from critic_adapters.common.config import EngineConfig, ModelConfig, load_train_config
 from critic_adapters.common.distributed import init_distributed, shutdown
-from critic_adapters.common.engine import RolloutBatch
 
 
 class OneDPRankEngine(FSDPCriticEngine):
@@ -51,41 +47,6 @@ def train(run_dir, backend, overrides):
     config = load_train_config([], [f"trainer.run_dir={run_dir}", f"backend={backend}", *overrides])
     dist = init_distributed()
     run_training(config, dist, say=lambda *a, **k: None)
-    shutdown()
-
-
-def _batch(rank):
-    g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(3, 990, (2, 8), generator=g)
-    response = torch.zeros_like(ids)
-    response[:, 3:] = 1
-    return RolloutBatch(ids, torch.ones_like(ids), response, torch.zeros(2, 8), torch.randn(2, 8, generator=g))
-
-
-def save_fails(model_dir, workdir):
-    dist = init_distributed()
-    engine = FSDPCriticEngine(EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-2)), dist)
-    engine.update(_batch(dist.rank))
-    target = os.path.join(workdir, "checkpoint")
-    engine.save_checkpoint(target, {"step": 1})
-    engine.update(_batch(dist.rank))
-    real_write_meta = fsdp2_core.write_meta
-
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device (simulated)")
-
-    if dist.rank == 0:  # only rank 0 writes the meta file: the others finish their part and wait
-        fsdp2_core.write_meta = full_disk
-    error = None
-    try:
-        engine.save_checkpoint(target, {"step": 2})
-    except BaseException as err:  # noqa: BLE001 - the test inspects whatever each rank raised
-        error = f"{type(err).__name__}: {err}"
-    fsdp2_core.write_meta = real_write_meta
-    extra = engine.load_checkpoint(target)  # the previous checkpoint is intact and loads
-    with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
-        json.dump({"error": error, "extra": extra, "left": sorted(os.listdir(workdir))}, f)
-    engine.close()
     shutdown()
 
 
@@ -139,8 +100,6 @@ def main():
     mode, *args = sys.argv[1:]
     if mode == "train":
         train(args[0], args[1], args[2:])
-    elif mode == "save-fails":
-        save_fails(*args)
     elif mode == "sharded-load":
         sharded_load(*args)
     else:

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 from critic_adapters.common.distributed import DistContext
 from critic_adapters.common.engine import RolloutBatch
 
-FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402
 
 
 def rank_share(batch_file: str, dist: DistContext):

@@ -16,7 +16,7 @@ from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConf
 from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
 
-FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402
 
 
 def main() -> None:

@@ -29,16 +29,18 @@ def build(path: str, world: int, **parallel):
     ({"context": 2}, 2, r"context=2"),
 ])
 def test_bad_parallel_layout(qwen2, parallel, world, message):
+    group_before = torch.distributed.is_initialized()  # another test in this process may have made one
     with pytest.raises(ValueError, match=message):
         build(qwen2, world, **parallel)
-    assert not torch.distributed.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    assert torch.distributed.is_initialized() == group_before and not parallel_state.model_parallel_is_initialized()
 
 
 def test_unsupported_family(tmp_path):
     path = save_tiny_causal_lm("gpt_neox", str(tmp_path / "neox"))
+    group_before = torch.distributed.is_initialized()
     with pytest.raises(ValueError, match=r"does not support model_type='gpt_neox'; supported: llama, mistral, qwen2"):
         build(path, 1)
-    assert not torch.distributed.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    assert torch.distributed.is_initialized() == group_before and not parallel_state.model_parallel_is_initialized()
 
 
 def test_parallel_degrees_must_be_positive():

@@ -10,7 +10,7 @@ import torch.distributed as torch_dist
 from critic_adapters.common.distributed import DistContext
 from critic_adapters.common.engine import RolloutBatch
 
-FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402
 
 
 def make_batch(path: str) -> dict:
