@@ -72,6 +72,36 @@ def fsdp_beside_megatron(config, dist) -> dict:
     return out
 
 
+def one_after_another(config, dist) -> dict:
+    """An FSDP engine closed, then a megatron one; and the reverse: the same critic's values."""
+    out = {}
+    for first, second in (("fsdp", "megatron"), ("megatron", "fsdp")):
+        engine = build_engine(first, config, dist)
+        before = values(engine, dist.rank)
+        engine.close()
+        engine = build_engine(second, config, dist)
+        out[f"{first}_then_{second}"] = float((values(engine, dist.rank) - before).abs().max())
+        engine.close()
+    return out
+
+
+def checkpoints_between_fsdp_and_veomni(config, dist, workdir) -> dict:
+    """The two FSDP2-based backends read each other's checkpoints (one DCP layout, HF names)."""
+    out = {}
+    for writer, reader in (("fsdp", "veomni"), ("veomni", "fsdp")):
+        engine = build_engine(writer, config, dist)
+        engine.update(rollout(dist.rank))
+        ckpt = os.path.join(workdir, f"{writer}_checkpoint")
+        engine.save_checkpoint(ckpt)
+        saved = values(engine, dist.rank)
+        engine.close()
+        engine = build_engine(reader, config, dist)
+        engine.load_checkpoint(ckpt)
+        out[f"{writer}_to_{reader}"] = float((values(engine, dist.rank) - saved).abs().max())
+        engine.close()
+    return out
+
+
 def main():
     warnings.filterwarnings("ignore")
     model_dir, workdir = sys.argv[1:3]
@@ -79,7 +109,9 @@ def main():
     config = engine_config(model_dir)
     out = {"two_megatron": two_megatron_engines(config, dist, workdir),
            "host": host_parallel_state(config, dist),
-           "mix": fsdp_beside_megatron(config, dist)}
+           "mix": fsdp_beside_megatron(config, dist),
+           "sequential": one_after_another(config, dist),
+           "fsdp_veomni_checkpoints": checkpoints_between_fsdp_and_veomni(config, dist, workdir)}
     shutdown()
     out["gloo_threads_after_shutdown"] = len(gloo_worker_threads())
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:

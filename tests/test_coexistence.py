@@ -1,7 +1,8 @@
 """Engines that share a process (verl colocates actor, critic and reference model per GPU, the actor
 often on megatron): two megatron engines alive at once, one built on parallel state the host set up
-itself (and left as the host had it), a different layout refused naming both, and an FSDP engine
-beside a megatron one."""
+itself (and left as the host had it), a different layout refused naming both, an FSDP engine
+beside a megatron one, engines of different backends one after another, and checkpoints passed
+between the two FSDP2-based backends."""
 
 import json
 
@@ -44,6 +45,18 @@ def test_an_fsdp_engine_beside_a_megatron_engine(ranks):
         assert mix["values_diff"] <= 1e-5
         assert mix["losses"][0] == pytest.approx(mix["losses"][1], rel=1e-5)
         assert mix["fsdp_after_megatron_closed"] > 0
+
+
+def test_engines_one_after_another_in_one_process_give_the_same_values(ranks):
+    for rank in ranks:
+        assert rank["sequential"]["fsdp_then_megatron"] <= 1e-5
+        assert rank["sequential"]["megatron_then_fsdp"] <= 1e-5
+
+
+def test_fsdp_and_veomni_resume_each_others_checkpoints(ranks):
+    for rank in ranks:
+        assert rank["fsdp_veomni_checkpoints"]["fsdp_to_veomni"] <= 1e-6
+        assert rank["fsdp_veomni_checkpoints"]["veomni_to_fsdp"] <= 1e-6
 
 
 def test_no_gloo_worker_thread_outlives_shutdown(ranks):
