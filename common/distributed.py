@@ -52,8 +52,8 @@ def init_distributed() -> DistContext:
         importlib.import_module("torch.distributed.nn.functional")
         if "RANK" not in os.environ:  # not under torchrun: a world of one, with an in-process store
             # (no port to bind: a free port picked here can be taken before the bind). The env://
-            # variables are still set for libraries whose helper processes read them (megatron's
-            # checkpoint writer).
+            # variables are still set: libraries read them (VeOmni takes its rank from RANK and
+            # LOCAL_RANK, with defaults that are not 0).
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -133,11 +133,12 @@ def _release_destroyed_groups() -> None:
     destroy_process_group() forgets every group but stops none: a gloo group's worker threads stop
     only when its last reference goes. Every DeviceMesh keeps its groups (`_pg_registry`), and meshes
     live on in DTensor's sharding and redistribution caches (DTensorSpec -> mesh) for the life of the
-    process; a closed engine drops its own references, and init_distributed imports the one torch
-    module that would capture the default group in its function defaults before the group exists. Left there, the groups' threads run into interpreter finalization, where a worker that
-    drops the last reference to a finished collective's tensor needs the GIL: CPython ends that
-    thread inside a noexcept destructor and the process aborts with "terminate called without an
-    active exception". Called after destroy_process_group(), when every group is dead anyway.
+    process. (A closed engine drops its own references, and init_distributed imports the one torch
+    module that would capture the default group in its function defaults before the group exists.)
+    Left alive, the groups' threads run into interpreter finalization, where a worker that drops the
+    last reference to a finished collective's tensor needs the GIL: CPython ends that thread inside
+    a noexcept destructor and the process aborts with "terminate called without an active
+    exception". Called after destroy_process_group(), when every group is dead anyway.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
