@@ -102,6 +102,31 @@ def checkpoints_between_fsdp_and_veomni(config, dist, workdir) -> dict:
     return out
 
 
+def two_veomni_engines_and_the_hosts_state(config, dist, workdir) -> dict:
+    from veomni.distributed import parallel_state as veomni_state
+
+    first = build_engine("veomni", config, dist)
+    first.update(rollout(dist.rank))
+    ckpt = os.path.join(workdir, "veomni_first")
+    first.save_checkpoint(ckpt)
+    second = build_engine("veomni", config, dist)  # while the first is alive
+    second.load_checkpoint(ckpt)
+    out = {"second_vs_first": float((values(second, dist.rank) - values(first, dist.rank)).abs().max())}
+    before = values(first, dist.rank)
+    second.close()
+    out["first_after_second_closed"] = float((values(first, dist.rank) - before).abs().max())
+    first.close()
+    out["state_left"] = veomni_state.is_parallel_state_initialized()
+    host = veomni_state.init_parallel_state(dp_size=dist.world_size, dp_shard_size=dist.world_size,
+                                            dp_mode="fsdp2", device_type="cpu", name=None)
+    engine = build_engine("veomni", config, dist)
+    out["engine_shares_hosts_state"] = engine.parallel_state is host
+    engine.close()
+    out["host_state_kept"] = veomni_state.is_parallel_state_initialized() and veomni_state.get_parallel_state() is host
+    veomni_state.clear_parallel_state()
+    return out
+
+
 def main():
     warnings.filterwarnings("ignore")
     model_dir, workdir = sys.argv[1:3]
@@ -111,7 +136,8 @@ def main():
            "host": host_parallel_state(config, dist),
            "mix": fsdp_beside_megatron(config, dist),
            "sequential": one_after_another(config, dist),
-           "fsdp_veomni_checkpoints": checkpoints_between_fsdp_and_veomni(config, dist, workdir)}
+           "fsdp_veomni_checkpoints": checkpoints_between_fsdp_and_veomni(config, dist, workdir),
+           "veomni": two_veomni_engines_and_the_hosts_state(config, dist, workdir)}
     shutdown()
     out["gloo_threads_after_shutdown"] = len(gloo_worker_threads())
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:

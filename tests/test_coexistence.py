@@ -59,6 +59,14 @@ def test_fsdp_and_veomni_resume_each_others_checkpoints(ranks):
         assert rank["fsdp_veomni_checkpoints"]["veomni_to_fsdp"] <= 1e-6
 
 
+def test_two_veomni_engines_and_one_on_the_hosts_veomni_state(ranks):
+    for rank in ranks:
+        run = rank["veomni"]
+        assert run["second_vs_first"] <= 1e-6 and run["first_after_second_closed"] == 0.0
+        assert run["state_left"] is False  # the last close cleared the state our engines made
+        assert run["engine_shares_hosts_state"] and run["host_state_kept"]
+
+
 def test_no_gloo_worker_thread_outlives_shutdown(ranks):
     assert [r["gloo_threads_after_shutdown"] for r in ranks] == [0, 0]
 

@@ -8,8 +8,9 @@ data-parallel rank (Ulysses is not implemented yet: the registry refuses it by k
 
 VeOmni keeps global state: its parallel state (a process global plus a topology cache), its ops
 configuration (a singleton set by build_foundation_model), the attention functions it registers
-with transformers when `veomni` is imported, and its logger. One VeOmni engine per process at a
-time; close() forgets the parallel state.
+with transformers when `veomni` is imported, and its logger. Engines of one topology share VeOmni's
+cached parallel state (another of ours or the host's); the last of our engines to close clears it,
+unless the host had one before.
 """
 
 from __future__ import annotations
@@ -126,4 +127,5 @@ class VeOmniCriticEngine(FSDP2Engine):
         return value_model.without_veomni_fields(self.model.config)
 
     def _release(self) -> None:
+        self.parallel_state = None
         parallelize.release_parallel_state()

@@ -13,27 +13,41 @@ import torch
 from . import compat
 from ...common.config import EngineConfig, OptimConfig
 
+# Our VeOmni engines alive in this process, and whether VeOmni's state existed before the first.
+_USAGE = {"engines": 0, "found_state": False}
+
+
 def init_parallel_state(world_size: int, ulysses: int):
     """VeOmni's device mesh: data parallel (FSDP2 shards over it) x Ulysses; returns the state.
 
     VeOmni keeps it in a process global (the "ambient" state its builders read) and caches it by
-    topology; the engine holds it and makes it ambient around every VeOmni call (`use_parallel_state`).
+    topology, so an engine built while another of ours, or the host, holds a state of the same
+    topology shares it; the engine makes its own ambient around every VeOmni call
+    (`use_parallel_state`). Every call needs its release_parallel_state().
     """
     from veomni.distributed import parallel_state
 
+    if _USAGE["engines"] == 0:
+        _USAGE["found_state"] = parallel_state.is_parallel_state_initialized()
     dp_size = world_size // ulysses
     device_type = "cpu" if compat.cpu_mode() else None  # None: VeOmni's get_device_type()
-    return parallel_state.init_parallel_state(
+    state = parallel_state.init_parallel_state(
         dp_size=dp_size, dp_replicate_size=1, dp_shard_size=dp_size, ulysses_size=ulysses, dp_mode="fsdp2",
         device_type=device_type, name=None)
+    _USAGE["engines"] += 1
+    return state
 
 
 def release_parallel_state() -> None:
-    """Forget VeOmni's parallel states (its ambient global, topology cache and registry), so that no
-    later engine reuses a device mesh of a process group that is about to be destroyed."""
+    """One engine is done with VeOmni's parallel state. The last one forgets VeOmni's states (its
+    ambient global, topology cache and registry), so that no later engine reuses a device mesh of a
+    process group about to be destroyed, unless the host had a state before our first engine: then
+    it is the host's to clear, and stays."""
     from veomni.distributed import parallel_state
 
-    parallel_state.clear_parallel_state()
+    _USAGE["engines"] = max(0, _USAGE["engines"] - 1)
+    if _USAGE["engines"] == 0 and not _USAGE["found_state"]:
+        parallel_state.clear_parallel_state()
 
 
 def mixed_precision_config(config: EngineConfig):
