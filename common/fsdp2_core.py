@@ -19,6 +19,7 @@ backends read each other's checkpoints.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import gc
 import time
@@ -78,7 +79,7 @@ def quiet_fsdp_views():
         yield
 
 
-class FSDP2Engine:
+class FSDP2Engine(abc.ABC):
     backend: str = ""
     """The registry name (checkpoint meta, config checks); set by each subclass."""
 
@@ -102,11 +103,13 @@ class FSDP2Engine:
         self.fingerprint = critic_fingerprint(self.model, config.transforms)
 
     # -- hooks ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _build_mesh(self) -> ParallelMesh:
-        raise NotImplementedError
+        """The mesh when none is passed in."""
 
+    @abc.abstractmethod
     def _build(self):
-        raise NotImplementedError
+        """(model, load report, optimizer, scheduler): load, transform, parallelise."""
 
     def _grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]

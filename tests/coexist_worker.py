@@ -24,12 +24,14 @@ def values(engine, rank):
     return engine.compute_values(batch.input_ids, batch.attention_mask)
 
 
-def two_megatron_engines(config, dist, workdir) -> dict:
-    first = build_engine("megatron", config, dist)
+def two_engines_alive(backend, config, dist, workdir) -> dict:
+    """A second engine of `backend` built while the first is alive loads its checkpoint; closing it
+    leaves the first working."""
+    first = build_engine(backend, config, dist)
     first.update(rollout(dist.rank))
-    ckpt = os.path.join(workdir, "first")
+    ckpt = os.path.join(workdir, f"{backend}_first")
     first.save_checkpoint(ckpt)
-    second = build_engine("megatron", config, dist)  # while the first is alive
+    second = build_engine(backend, config, dist)  # while the first is alive
     second.load_checkpoint(ckpt)
     out = {"second_vs_first": float((values(second, dist.rank) - values(first, dist.rank)).abs().max())}
     before = values(first, dist.rank)
@@ -37,6 +39,11 @@ def two_megatron_engines(config, dist, workdir) -> dict:
     out["first_after_second_closed"] = float((values(first, dist.rank) - before).abs().max())
     first.update(rollout(dist.rank))  # still trains
     first.close()
+    return out
+
+
+def two_megatron_engines(config, dist, workdir) -> dict:
+    out = two_engines_alive("megatron", config, dist, workdir)
     out["groups_left"] = parallel_state.model_parallel_is_initialized()
     return out
 
@@ -105,17 +112,7 @@ def checkpoints_between_fsdp_and_veomni(config, dist, workdir) -> dict:
 def two_veomni_engines_and_the_hosts_state(config, dist, workdir) -> dict:
     from veomni.distributed import parallel_state as veomni_state
 
-    first = build_engine("veomni", config, dist)
-    first.update(rollout(dist.rank))
-    ckpt = os.path.join(workdir, "veomni_first")
-    first.save_checkpoint(ckpt)
-    second = build_engine("veomni", config, dist)  # while the first is alive
-    second.load_checkpoint(ckpt)
-    out = {"second_vs_first": float((values(second, dist.rank) - values(first, dist.rank)).abs().max())}
-    before = values(first, dist.rank)
-    second.close()
-    out["first_after_second_closed"] = float((values(first, dist.rank) - before).abs().max())
-    first.close()
+    out = two_engines_alive("veomni", config, dist, workdir)
     out["state_left"] = veomni_state.is_parallel_state_initialized()
     host = veomni_state.init_parallel_state(dp_size=dist.world_size, dp_shard_size=dist.world_size,
                                             dp_mode="fsdp2", device_type="cpu", name=None)
