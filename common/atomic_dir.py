@@ -41,7 +41,26 @@ def make_staging_dir(target: str) -> str:
     target = os.path.abspath(target)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    # mkdtemp makes it 0700 whatever the umask; the finished directory gets what os.makedirs would
+    # give (on a shared cluster, a group-readable umask must give a group-readable export).
+    os.chmod(staging, 0o777 & ~current_umask())
+    return staging
+
+
+def current_umask() -> int:
+    """The process's umask: from /proc on Linux (read-only); elsewhere reading it means setting it,
+    so it is set straight back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def commit_staging_dir(staging: str, target: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 
 from .loss import AGG_MODES
 
@@ -231,7 +232,9 @@ def flat_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfig:
-    """YAML files (later wins) plus `key=value` overrides -> TrainConfig; clear errors on bad keys."""
+    """Layered config -> TrainConfig: the dataclass defaults, then each YAML file in order (a later
+    file wins, key by key), then `key=value` overrides. Bad keys and values are one-line ValueErrors
+    naming the key, where it came from and what it takes."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -246,18 +249,57 @@ def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfi
             hint = f"; did you mean {' or '.join(close)}?" if close else f"; keys are: {', '.join(keys)}"
             raise ValueError(f"unknown config key {key!r}{hint}")
     merged = OmegaConf.structured(TrainConfig)
+    sources = [(path, lambda path=path: _load_yaml(path)) for path in yaml_paths]
+    if overrides:
+        sources.append(("the command line", lambda: OmegaConf.from_dotlist(overrides)))
+    for source, read in sources:
+        try:
+            merged = OmegaConf.merge(merged, read())
+        except ConfigKeyError as err:
+            key = err.full_key or str(err)
+            close = difflib.get_close_matches(str(key), keys, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"unknown config key {key!r} in {source}{hint}") from None
+        except OmegaConfBaseException as err:
+            raise ValueError(_bad_value_message(err, source)) from None
     try:
-        for path in yaml_paths:
-            merged = OmegaConf.merge(merged, _load_yaml(path))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         return OmegaConf.to_object(merged)
-    except ConfigKeyError as err:
-        key = err.full_key or str(err)
-        close = difflib.get_close_matches(str(key), keys, n=3, cutoff=0.6)
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise ValueError(f"unknown config key {key!r} in {yaml_paths}{hint}") from None
     except OmegaConfBaseException as err:
-        raise ValueError(f"bad config value: {err}") from None
+        raise ValueError(_bad_value_message(err, "the config")) from None
+
+
+def _bad_value_message(err, source: str) -> str:
+    """OmegaConf's four-line validation error -> `key=value in source: expected <type> (default: ...)`."""
+    key = getattr(err, "full_key", None)
+    if not key:
+        return f"bad config value in {source}: {str(err).splitlines()[0]}"
+    value = getattr(err, "value", None)
+    value = list(value) if hasattr(value, "__iter__") and not isinstance(value, str) else value
+    field_type, default = _field_type_and_default(key)
+    shown = f"{key}={value!r}" if value is not None else key
+    shown_default = {True: "true", False: "false", None: "null"}.get(default, default) \
+        if isinstance(default, (bool, type(None))) else repr(list(default) if isinstance(default, tuple) else default)
+    return f"{shown} in {source}: expected {field_type} (the default is {shown_default})"
+
+
+def _field_type_and_default(key: str) -> tuple[str, object]:
+    """('float', 1e-05) for 'engine.optim.lr': the dataclass field's annotation and default."""
+    cls, default = TrainConfig, None
+    field_type = "a value of another type"
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return field_type, default
+        field = fields[part]
+        field_type = str(field.type).replace("tuple[float, float]", "a list of two floats").replace(
+            "list[str]", "a list of strings")
+        if field.default_factory is not dataclasses.MISSING:
+            cls = field.default_factory
+            default = cls() if not dataclasses.is_dataclass(cls) else None
+        else:
+            cls, default = None, field.default
+    field_type = field_type.replace(" | None", ", or null")
+    return re.sub(r"\bstr\b", "a string", re.sub(r"\bbool\b", "true/false", field_type)), default
 
 
 def _load_yaml(path: str):

@@ -116,11 +116,13 @@ PER_TOKEN = ("input_ids", "response_mask") + TARGETS + OPTIONAL
 
 
 def validate_records(records: list, vocab_size: int, source: str, *, max_positions: int | None = None,
-                     truncate: bool = False) -> list[str]:
+                     truncate: bool = False, targets: bool = True) -> list[str]:
     """Raise one ValueError that names the file, the row and the field for the first problems found.
 
     Rows longer than `max_positions` tokens are refused, or, with `truncate`, cut to that length in
-    place. Returns notes worth telling the user (rows cut, rows without response tokens).
+    place. `targets=False` (values only, no training) needs no returns or rewards. A field missing
+    from every row is one line. Returns notes worth telling the user (rows cut, rows without
+    response tokens).
     """
     if not records:
         raise ValueError(f"{source} holds no rollouts")
@@ -128,7 +130,14 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
     first = next((r for r in records if isinstance(r, dict)), {})
     fields = set(first)
     has_target = [t for t in TARGETS if t in fields]
-    if not has_target:
+    dicts = [r for r in records if isinstance(r, dict)]
+    absent = [f for f in REQUIRED if dicts and all(r.get(f) is None for r in dicts)]
+    if absent:
+        raise ValueError(f"invalid rollouts in {source}: no row has the field(s) {absent} (fields present: "
+                         f"{sorted(fields)}); docs/DATA.md has the schema")
+    if not targets:
+        has_target = []
+    elif not has_target:
         problems.append(f"no 'returns' or 'rewards' field (fields present: {sorted(fields)}); every rollout needs one")
     elif len(has_target) == 2:
         problems.append("both 'returns' and 'rewards' are present; give exactly one")

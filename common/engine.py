@@ -68,25 +68,68 @@ class RolloutBatch:
 
 
 class CriticEngine(Protocol):
+    """What every backend's engine is. Build one with common.registry.build_engine(backend, config,
+    dist): `config` an EngineConfig (common/config.py, every field defaulted), `dist` the
+    DistContext that common.distributed.init_distributed() returns (call it once per process, under
+    torchrun or alone for a world of one). Every method is collective over the engine's ranks:
+    call it on all of them, in the same order. Example (one process, CPU):
+
+        dist = init_distributed()
+        engine = build_engine("fsdp", EngineConfig(), dist)
+        values = engine.compute_values(input_ids, attention_mask)      # [B, T] float32
+        metrics = engine.update(RolloutBatch(input_ids, attention_mask, response_mask,
+                                             old_values=shift_to_tokens(values) * response_mask,
+                                             returns=returns))
+        engine.export_hf("out/critic"); engine.close(); shutdown()
+    """
+
     parallel: object
+    """common.mesh.ParallelMesh: the degree, coordinate and group of every parallel dimension."""
     dp_rank: int
     dp_size: int
     dp_group: object
+    """This rank's data-parallel coordinate, degree and group: give DP rank r the rows r::dp_size."""
     load_report: object
+    """common.valuehead.LoadReport: the checkpoint's format, and which head keys were loaded or initialised."""
 
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The critic's values, no grad: float32 [B, T] on CPU, at every position and UNSHIFTED:
+        entry t is the value of the state after token t. The value the loss uses for token t (what
+        RolloutBatch.old_values holds) is entry t - 1: shift_to_tokens(values) does that shift.
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]: ...
+        input_ids: int64 [B, T]; attention_mask: [B, T] of 0/1 (right- or left-padded; padding
+        positions come back as whatever the model computes there, so mask them)."""
+        ...
 
-    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None: ...
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: every field
+        required, all [B, T]; old_values and returns token-aligned). The loss is normalised over
+        the whole mini-batch across DP ranks. Returns common.update_step.METRICS (docs/METRICS.md),
+        reduced over the DP group."""
+        ...
 
-    def checkpoint_bytes(self) -> int: ...
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
+        """Write a checkpoint (atomic: a failed save leaves no `directory`) with model, optimizer,
+        schedule and the engine's RNG, plus `extra_state` (JSON-able, e.g. the data position)."""
+        ...
 
-    def load_checkpoint(self, directory: str) -> dict: ...
+    def checkpoint_bytes(self) -> int:
+        """Bytes save_checkpoint would write, all ranks together (for a free-space check first)."""
+        ...
 
-    def export_hf(self, directory: str) -> None: ...
+    def load_checkpoint(self, directory: str) -> dict:
+        """Restore a checkpoint of the same critic (any data-parallel degree; megatron: any tensor
+        degree); returns its extra_state. The process's own RNG is left alone."""
+        ...
 
-    def close(self) -> None: ...
+    def export_hf(self, directory: str) -> None:
+        """Write the critic as a plain HF *ForTokenClassification(num_labels=1) directory (new, or
+        replaced atomically), loadable with AutoModelForTokenClassification."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's groups and memory; before common.distributed.shutdown()."""
+        ...
 
 
 # The registry of backends (their specs, build_engine, register_backend) is common/registry.py;

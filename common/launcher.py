@@ -24,6 +24,11 @@ import traceback
 
 INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C
 
+LAYERS_HELP = """\
+How the config is built (later wins, key by key): the built-in defaults (common/config.py), this
+backend's configs/default.yaml, your YAML files in order, then key=value overrides. --resume with
+no YAML file starts from the run's own run_dir/config.yaml instead. --print-config shows the result."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LauncherSpec:
@@ -45,8 +50,10 @@ class LauncherSpec:
 
 
 def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m {spec.module}", description=spec.doc.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=spec.doc)
+    first, _, rest = spec.doc.strip().partition("\n")
+    parser = argparse.ArgumentParser(prog=f"python -m {spec.module}", description=first,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"{rest.strip()}\n\n{LAYERS_HELP}")
     parser.add_argument("items", nargs="*", help="YAML config files and key=value overrides")
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to launch when not under torchrun (default: what engine.parallel needs)")
@@ -94,10 +101,17 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
     return INTERRUPTED if interrupted else code
 
 
-def _load_config(args, spec: LauncherSpec):
-    """The config, checked as far as it can be without a process group; raises ValueError."""
+def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print):
+    """The config, checked as far as it can be without a process group; raises ValueError.
+
+    Layers, later wins key by key: the dataclass defaults, this backend's default config, the
+    user's YAML files in order, then key=value overrides. `--resume` with no YAML file starts from
+    the run's own config.yaml (run_dir/config.yaml, what ran) instead of the backend's default.
+    `world_size`: the processes the job will have (None: what engine.parallel needs).
+    """
     from .atomic_dir import unwritable_reason
     from .config import load_train_config
+    from .registry import backend_spec, check_layout
     from .trainer import check_backend
 
     yamls = [item for item in args.items if "=" not in item]
@@ -105,19 +119,30 @@ def _load_config(args, spec: LauncherSpec):
     if args.resume:
         overrides.append("trainer.resume=true")
     try:
-        config = load_train_config(yamls or [spec.default_config], overrides)
+        config = load_train_config([spec.default_config, *yamls], overrides)
+        saved = os.path.join(os.path.abspath(config.trainer.run_dir), "config.yaml")
+        if args.resume and not yamls and os.path.isfile(saved):
+            config = load_train_config([saved], overrides)
+            if not args.print_config:
+                say(f"resume: the run's settings from {saved}, with the command line's overrides")
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
     if args.print_config:
         return config
-    check_backend(config)
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc {args.nproc}: the process count must be >= 1")
-        config.engine.parallel.data_parallel_size(args.nproc)  # ValueError naming the layout and --nproc
+    backend_spec(config.backend)  # registered at all: ValueError naming the registered ones
     if config.backend != spec.backend:
         raise ValueError(f"backend={config.backend} in the config, but this is the {spec.backend} launcher; run "
-                         f"python -m {spec.module.replace(f'.{spec.backend}.', f'.{config.backend}.')} instead")
+                         f"python -m {spec.module.replace(f'.{spec.backend}.', f'.{config.backend}.')} instead, "
+                         f"or drop backend from the config")
+    check_backend(config)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: the process count must be >= 1")
+    world = world_size or config.engine.parallel.model_parallel_size
+    try:
+        check_layout(config.backend, config.engine, world)  # before any process starts or anything is written
+    except ValueError as err:
+        where = f" (--nproc {args.nproc})" if args.nproc is not None and "--nproc" not in str(err) else ""
+        raise ValueError(f"{err}{where}") from None
     writes_run_dir = not args.dry_run or config.engine.model.path.startswith("embedded:")
     reason = unwritable_reason(config.trainer.run_dir) if writes_run_dir else None
     if reason:
@@ -137,11 +162,15 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
     args = _parse(argv, spec)
     under_torchrun = "LOCAL_RANK" in os.environ
-    # Config, backend and run_dir are checked before any process starts or joins a group: one line, once.
+    rank0 = os.environ.get("RANK", "0") == "0"
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else args.nproc
+    # Config, backend, layout and run_dir are checked before any process starts or joins a group:
+    # one line, once.
     try:
-        config = _load_config(args, spec)
-    except ValueError as err:
-        if os.environ.get("RANK", "0") == "0":
+        config = _load_config(args, spec, world_size=world_size,
+                              say=print if rank0 and not under_torchrun else (lambda *a, **k: None))
+    except (ValueError, OSError) as err:
+        if rank0:
             _say_error(str(err))
         return 2
     if args.print_config:
@@ -157,6 +186,12 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
         if nproc > 1 and not args.dry_run:
             print(f"starting {nproc} processes, the engine.parallel layout's tensor x pipeline x context x ulysses "
                   f"(--nproc N for more data-parallel ranks)", flush=True)
+    if args.dry_run:
+        parallel = config.engine.parallel
+        layout = " x ".join(f"{name} {getattr(parallel, name)}" for name in ("tensor", "pipeline", "context", "ulysses")
+                            if getattr(parallel, name) > 1)
+        print(f"processes: {nproc} ({layout + ' x ' if layout else ''}data parallel "
+              f"{parallel.data_parallel_size(nproc)}); the dry run itself runs in this one process", flush=True)
     if nproc > 1 and not args.dry_run:
         return _relaunch_under_torchrun(nproc, _without_nproc(argv), spec.module)
     return _run(args, config)

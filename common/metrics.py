@@ -1,4 +1,7 @@
-"""Training metrics: a JSONL file, TensorBoard scalars, and a PNG plot of loss and explained variance."""
+"""Training metrics: a JSONL file, TensorBoard scalars, and a PNG plot of loss and explained variance.
+
+Every metric is defined in docs/METRICS.md.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import time
 
 
 class MetricsLogger:
@@ -29,12 +33,15 @@ class MetricsLogger:
 
             self._writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
-    def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "train", *, epoch: int = 0) -> None:
+        """One row: step, split, epoch (1-based; 0 for the evaluation before training), time (Unix
+        seconds), then the metrics."""
         if prefix == "train":
             self.last_step = step
         if not self.enabled:
             return
-        record = {"step": step, "split": prefix, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        record = {"step": step, "split": prefix, "epoch": epoch, "time": round(time.time(), 3),
+                  **{k: _finite_or_none(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:
@@ -68,7 +75,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> str:
-    """value_loss and explained_variance against step (train, and eval points when logged)."""
+    """The unclipped 0.5 * MSE (train: `mse`, eval: `value_loss`, the same quantity) and explained
+    variance against step, train as a line and held-out evaluations as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,15 +84,18 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
 
     records = read_metrics(metrics_path)
     fig, (ax_loss, ax_ev) = plt.subplots(1, 2, figsize=(11, 4))
-    for split, style in (("train", "-"), ("eval", "o-")):
-        rows = [r for r in records if r["split"] == split]
+    for split, loss_key, style in (("train", "mse", "-"), ("eval", "value_loss", "o-")):
+        rows = [r for r in records if r["split"] == split and r.get(loss_key) is not None]
         if not rows:
             continue
         steps = [r["step"] for r in rows]
-        ax_loss.plot(steps, [r.get("value_loss") for r in rows], style, label=split)
-        ax_ev.plot(steps, [r.get("explained_variance") for r in rows], style, label=split)
-    ax_loss.set(title="value loss", xlabel="optimizer step", yscale="log")
-    ax_ev.set(title="explained variance", xlabel="optimizer step", ylim=(-0.5, 1.05))
+        style = style if len(rows) > 1 else "o"  # a single point is invisible as a line
+        label = "train (mini-batches)" if split == "train" else "held-out"
+        ax_loss.plot(steps, [r[loss_key] for r in rows], style, label=label)
+        ax_ev.plot(steps, [r.get("explained_variance") for r in rows], style, label=label)
+    ax_loss.set(title="value loss", xlabel="optimizer step", ylabel="0.5 * MSE vs returns (unclipped)", yscale="log")
+    ax_ev.set(title="explained variance", xlabel="optimizer step", ylabel="1 - Var(returns - values) / Var(returns)")
+    ax_ev.axhline(1.0, color="grey", linewidth=0.5)
     for ax in (ax_loss, ax_ev):
         ax.grid(alpha=0.3)
         ax.legend()

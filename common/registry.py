@@ -17,7 +17,7 @@ import importlib
 import os
 from collections.abc import Callable
 
-from .config import EngineConfig, ParallelConfig
+from .config import EngineConfig, ModelConfig, ParallelConfig
 
 # The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
 PACKAGE_ROOT = __package__.rpartition(".")[0]
@@ -49,6 +49,11 @@ class BackendSpec:
     """Its launcher module ("python -m <package><launcher>"), or None when it has none."""
     default_config: str | None = None
     """Its default job's YAML, relative to the package root (or absolute)."""
+    check_layout: str | Callable | None = None
+    """"module:callable" (as factory) or the callable: check_layout(model_config, engine_config,
+    world_size) raises a ValueError for a parallel layout the model or the process count cannot
+    take (heads a tensor degree does not divide, ...). The launcher and the trainer call it before
+    any process starts or anything is written; model_config is the checkpoint's HF text config."""
 
     def __post_init__(self):
         unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
@@ -83,6 +88,7 @@ BACKENDS: dict[str, BackendSpec] = {
         knobs=frozenset({"mixed_precision", "gradient_checkpointing"}),
         launcher=".backends.megatron.train",
         default_config="backends/megatron/configs/default.yaml",
+        check_layout=".backends.megatron.config:check_layout",
     ),
     "veomni": BackendSpec(
         factory=".backends.veomni.engine:VeOmniCriticEngine",
@@ -158,13 +164,44 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
                          f"{keys}, or choose a backend that offers {'it' if len(problems) == 1 else 'them'}")
 
 
+def _resolve(target: str | Callable) -> Callable:
+    """A "module:callable" string (module relative to the package root when it starts with a dot) -> the callable."""
+    if not isinstance(target, str):
+        return target
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
+
+
+def model_text_config(model: ModelConfig):
+    """The HF text config of engine.model.path (`embedded:<family>` included), read from config.json only."""
+    if model.path.startswith("embedded:"):
+        from .testdata import tiny_config
+
+        return tiny_config(model.path.removeprefix("embedded:")).get_text_config()
+    from .valuehead.load import plan_load
+
+    return plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code
+                     ).config.get_text_config()
+
+
+def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
+    """The world splits into engine.parallel's groups, and the backend's check_layout (if any)
+    accepts the model under that layout; ValueError otherwise. Reads config.json, builds nothing."""
+    engine.parallel.data_parallel_size(world_size)
+    spec = backend_spec(name)
+    if spec.check_layout is not None:
+        _resolve(spec.check_layout)(model_text_config(engine.model), engine, world_size)
+
+
 def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
-    """The engine of a registered backend: factory(config, dist, **kwargs)."""
-    spec = backend_spec(backend)
+    """The engine of a registered backend: `factory(config, dist, **kwargs)`, a CriticEngine
+    (common/engine.py has the contract).
+
+    config: the EngineConfig (common/config.py; every field has a default).
+    dist: this process's DistContext, from common.distributed.init_distributed() (it joins the
+      torchrun group, or makes a world of one), called once per process before any engine is built.
+    Refuses parallel degrees and knobs the backend does not implement (check_engine_config) before
+    anything is built. Close the engine (engine.close()) before common.distributed.shutdown().
+    """
     check_engine_config(backend, config)
-    factory = spec.factory
-    if isinstance(factory, str):
-        module_name, attr = factory.split(":")
-        module = importlib.import_module(module_name, package=PACKAGE_ROOT or None)
-        factory = getattr(module, attr)
-    return factory(config, dist, **kwargs)
+    return _resolve(backend_spec(backend).factory)(config, dist, **kwargs)

@@ -23,7 +23,7 @@ from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_trai
 from .data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
 from .distributed import DistContext, all_gather_object, barrier, broadcast_object
 from .engine import RolloutBatch, shift_to_tokens
-from .registry import build_engine, check_engine_config
+from .registry import build_engine, check_engine_config, check_layout
 from .loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
 from .run_lock import run_dir_lock
@@ -34,11 +34,14 @@ PREPARED = "prepared_rollouts.pt"
 class TrainingInterrupted(Exception):
     """Ctrl-C (SIGINT) during training: where it stopped, and the checkpoint to resume from."""
 
-    def __init__(self, step: int, latest: str | None):
+    def __init__(self, step: int, latest: str | None, *, finished: bool = False):
         super().__init__(f"interrupted at step {step}")
-        self.step, self.latest = step, latest
+        self.step, self.latest, self.finished = step, latest, finished
 
     def message(self) -> str:
+        if self.finished:
+            return (f"interrupted after training had finished (step {self.step}): the final checkpoint {self.latest} "
+                    f"is complete; only what comes after it (export, plot or final evaluation) may be missing")
         if self.latest is None:
             return f"interrupted at step {self.step}, before the first checkpoint; run again to start over"
         return f"interrupted at step {self.step}; resume with --resume (from {os.path.basename(self.latest)})"
@@ -135,13 +138,16 @@ def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistC
 
 
 def evaluate(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> dict[str, float]:
-    """Held-out value loss (unclipped, token-mean) and explained variance of the current critic."""
+    """Held-out value loss (unclipped, token-mean 0.5 * squared error; `mse` is the same number, the
+    name the train rows use for it) and explained variance of the current critic."""
     predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
     check_model_values(predictions, rollouts.response_mask, config, "the critic's held-out values")
     mask = rollouts.response_mask.bool()
     error = (predictions - rollouts.returns)[mask]
+    mse = float(0.5 * (error ** 2).mean()) if error.numel() else float("nan")
     return {
-        "value_loss": float(0.5 * (error ** 2).mean()) if error.numel() else float("nan"),
+        "value_loss": mse,
+        "mse": mse,
         "explained_variance": explained_variance(predictions, rollouts.returns, rollouts.response_mask),
     }
 
@@ -171,6 +177,7 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
         say = tqdm.write  # prints above the progress bar instead of through it
     say = say if main else (lambda *a, **k: None)
     check_backend(config)
+    check_layout(config.backend, config.engine, dist.world_size)
 
     # Read-only checks first: a refused run changes nothing in run_dir.
     latest = checkpoints.find_latest(ckpt_root)
@@ -255,6 +262,8 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     mini = config.data.mini_batch_size
     total_steps = steps_per_epoch * trainer.epochs
     say(str(engine.load_report))
+    say(f"run dir: {run_dir} (metrics.jsonl{', tensorboard/' if trainer.tensorboard else ''}, checkpoints/"
+        f"{', hf_export/' if trainer.export_hf else ''}{', training.png' if trainer.plot else ''})")
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
         f"{trainer.epochs} epochs, mini-batch {mini} sequences over {engine.dp_size} data-parallel rank(s)")
 
@@ -281,19 +290,30 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     step = position["global_step"]
     try:
         step = _epochs(engine, config, dist, train, held_out, position, metrics_log, progress, say, steps_per_epoch)
+        _save(engine, ckpt_root, step, {"epoch": trainer.epochs, "step_in_epoch": 0, "global_step": step},
+              trainer.keep_last, main, say)
     except KeyboardInterrupt:
         progress.close()
         raise TrainingInterrupted(metrics_log.last_step, checkpoints.find_latest(ckpt_root)) from None
     progress.close()
+    try:
+        return _finish(engine, config, dist, held_out, metrics_log, run_dir, say)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(step, checkpoints.find_latest(ckpt_root), finished=True) from None
 
-    _save(engine, ckpt_root, step, {"epoch": trainer.epochs, "step_in_epoch": 0, "global_step": step},
-          trainer.keep_last, main, say)
+
+def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, metrics_log: MetricsLogger,
+            run_dir: str, say) -> dict[str, float]:
+    """After the final checkpoint: the HF export, the plot, the final evaluation and where it all went."""
+    trainer = config.trainer
     if trainer.export_hf:
         export_dir = os.path.join(run_dir, "hf_export")
         engine.export_hf(export_dir)
         say(f"exported {export_dir} (load it with transformers.AutoModelForTokenClassification)")
     metrics_log.close()
-    if main and trainer.plot:
+    say(f"metrics: {metrics_log.path}" + (f", TensorBoard logs: {os.path.join(run_dir, 'tensorboard')}"
+                                          if trainer.tensorboard else ""))
+    if dist.is_main and trainer.plot:
         say(f"plot: {plot_metrics(metrics_log.path, os.path.join(run_dir, 'training.png'))}")
     final = evaluate(engine, held_out, config, dist)
     say(_sample_line(engine, held_out, dist))
@@ -322,7 +342,7 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
                 raise ValueError(f"step {step}: the value loss is {metrics['value_loss']}: the critic's values became "
                                  f"NaN/inf in training (the rollout data was checked finite); lower "
                                  f"engine.optim.lr, or resume from an earlier checkpoint with a smaller one")
-            metrics_log.log(step, metrics)
+            metrics_log.log(step, metrics, epoch=epoch + 1)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['value_loss']:.4f}", ev=f"{metrics['explained_variance']:.3f}",
                                  refresh=False)
@@ -332,7 +352,7 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
             if trainer.save_every_steps and step % trainer.save_every_steps == 0 and step != total_steps:
                 _save(engine, ckpt_root, step, next_position, trainer.keep_last, main, say)
         held = evaluate(engine, held_out, config, dist)
-        metrics_log.log(step, held, prefix="eval")
+        metrics_log.log(step, held, prefix="eval", epoch=epoch + 1)
         say(f"epoch {epoch + 1}/{trainer.epochs}: train loss {metrics['value_loss']:.4f}, held-out loss "
             f"{held['value_loss']:.4f}, held-out explained_variance {held['explained_variance']:.3f}")
     return step
@@ -382,7 +402,7 @@ def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bo
         checkpoints.mark_latest(root, directory)
         checkpoints.prune(root, keep_last=keep_last)
     barrier()
-    say(f"checkpoint saved: {os.path.basename(directory)}")
+    say(f"checkpoint saved: {directory}")
 
 
 def _caused_by_full_disk(err: BaseException | None) -> bool:
@@ -417,7 +437,7 @@ def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
     info = inspect_checkpoint(model_path, head_prefix=config.engine.model.head_prefix,
                               trust_remote_code=config.engine.model.trust_remote_code)
     say(f"model: {model_path}: {info['format']}, {info['family']} -> {info['critic_class']}, "
-        f"initialise {info['would_initialise'] or 'nothing'}")
+        f"initialise {', '.join(info['would_initialise']) or 'nothing'}")
     vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
     train, held_out = read_rollouts(config, vocab_size, max_positions, say)
     tokens = int(train.attention_mask.sum())

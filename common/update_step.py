@@ -27,7 +27,9 @@ from .distributed import all_reduce
 from .engine import RolloutBatch
 from .loss import explained_variance_from_sums, loss_normalizer, value_loss_terms
 
-METRICS = ("value_loss", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s", "valid_tokens")
+# docs/METRICS.md defines each one.
+METRICS = ("value_loss", "mse", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s",
+           "valid_tokens")
 _SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2")
 
 
@@ -94,6 +96,7 @@ class StepStats:
         g = dict(zip(_SUMS, reduced))
         return {
             "value_loss": g["loss"],
+            "mse": 0.5 * g["res2"] / g["valid"] if g["valid"] else 0.0,  # unclipped, token-mean: the held-out loss
             "clip_fraction": g["clipped"] / g["valid"] if g["valid"] else 0.0,
             "explained_variance": explained_variance_from_sums(g["valid"], g["r"], g["r2"], g["res"], g["res2"]),
             "grad_norm": grad_norm,

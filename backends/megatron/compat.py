@@ -19,7 +19,9 @@ The shims, and why each exists (in megatron-core 0.16.1):
      device-neutral replacement, installed where optimizer.py imported it by name.
   7. The CUDA RNG-state save/restore of activation recompute become no-ops; the CPU
      state and the tracker states are still saved and restored.
-  8. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
+  8. The tensor-parallel linears advise setting CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream
+     setting) once per process: marked as already given while the shims are installed.
+  9. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
      `pin_memory`) to cpu, for FP32Optimizer and the schedules.
 megatron's distributed optimizer cannot run on CPU (it checks tensor type strings):
 the engine uses the plain one there.
@@ -135,12 +137,30 @@ def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gra
         torch._foreach_mul_(grads, coeff)
 
 
+# megatron-core's import-time notices that it uses its own code where Apex / Transformer Engine
+# are absent (the configuration this backend runs on CPU, and on GPU without them).
+_FALLBACK_NOTICES = (r"Transformer Engine and Apex are not installed", r"Apex is not installed")
+
+
+@contextlib.contextmanager
+def fallback_warnings_off():
+    """Around the first import of megatron-core's modules: its Apex / TE fallback UserWarnings off
+    (only those; the warning filters are restored after the block)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        for notice in _FALLBACK_NOTICES:
+            warnings.filterwarnings("ignore", message=notice, category=UserWarning)
+        yield
+
+
 def _shims() -> list[tuple[object, str, object]]:
-    """(owner, attribute, replacement) of shims 2-7."""
+    """(owner, attribute, replacement) of shims 2-8."""
     from megatron.core import utils as mcore_utils
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import layers as mp_layers
     from megatron.core.tensor_parallel import random as mp_random
 
     return [
@@ -153,11 +173,12 @@ def _shims() -> list[tuple[object, str, object]]:
         (mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm),
         (mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: None),
         (mp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None),
+        (mp_layers.linear_with_grad_accumulation_and_async_allreduce, "warned", True),
     ]
 
 
 def enable_cpu_shims() -> None:
-    """Install shims 2-7 (a no-op with CUDA). Call before building the model; every call needs its
+    """Install shims 2-8 (a no-op with CUDA). Call before building the model; every call needs its
     disable_cpu_shims() (engines alive at once share one installation)."""
     global _USERS
     if not cpu_mode():

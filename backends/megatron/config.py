@@ -91,6 +91,12 @@ def check_megatron_config(hf_config: PretrainedConfig, parallel: ParallelConfig,
     return traits
 
 
+def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: int) -> None:
+    """The BackendSpec hook (common/registry.py): what check_megatron_config refuses, before any
+    process starts (the launcher's and dry run's check)."""
+    check_megatron_config(hf_config, config.parallel, world_size)
+
+
 def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu: bool):
     """The megatron TransformerConfig of this critic (fusions off and CPU init on CPU)."""
     from megatron.core.transformer import TransformerConfig
@@ -102,6 +108,7 @@ def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
         if config.gradient_checkpointing else {}
     return TransformerConfig(
+        cuda_graph_scope=[],  # the whole layer (its default, "full", is deprecated and warns)
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads,

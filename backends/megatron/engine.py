@@ -15,14 +15,17 @@ import time
 
 import torch
 import torch.distributed as torch_dist
-from megatron.core import parallel_state
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.pipeline_parallel import get_forward_backward_func
+from .compat import fallback_warnings_off
 
-from . import checkpoint, compat, convert, parallelize
-from .config import check_megatron_config, transformer_config
-from .inputs import model_inputs
-from .value_model import build_value_model, te_available
+with fallback_warnings_off():  # megatron warns at import that it falls back from Apex / TE: we mean it to
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from . import checkpoint, compat, convert, parallelize
+    from .config import check_megatron_config, transformer_config
+    from .inputs import model_inputs
+    from .value_model import build_value_model, te_available
 from ...common.batching import MicroBatch
 from ...common.checkpoints import critic_fingerprint
 from ...common.config import EngineConfig

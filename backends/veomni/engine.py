@@ -15,6 +15,7 @@ unless the host had one before.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import tempfile
 
@@ -22,6 +23,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from . import parallelize, value_model
+from .quiet import veomni_output
 from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
 from ...common.mesh import ParallelMesh, mesh_sizes
@@ -56,21 +58,25 @@ class VeOmniCriticEngine(FSDP2Engine):
         # Config and tensor headers only: refuse what VeOmni cannot build before anything is loaded.
         self.hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
                                    trust_remote_code=model_cfg.trust_remote_code).config
-        value_model.check_family_registered(self.hf_config)
-        sizes = mesh_sizes(self.config.parallel, self.dist.world_size)
-        self.parallel_state = parallelize.init_parallel_state(self.dist.world_size, self.config.parallel.ulysses)
+        with veomni_output():
+            value_model.check_family_registered(self.hf_config)
+            sizes = mesh_sizes(self.config.parallel, self.dist.world_size)
+            self.parallel_state = parallelize.init_parallel_state(self.dist.world_size, self.config.parallel.ulysses)
         return ParallelMesh.from_groups(sizes=sizes, groups={"dp": self.parallel_state.dp_group},
                                         device_mesh=self.parallel_state.device_mesh)
 
+    @contextlib.contextmanager
     def _veomni(self):
-        """This engine's parallel state as VeOmni's ambient one, around a VeOmni call."""
+        """This engine's parallel state as VeOmni's ambient one, and VeOmni's output kept off our
+        stdout (quiet.veomni_output), around a VeOmni call."""
         from veomni.distributed.parallel_state import use_parallel_state
 
-        return use_parallel_state(self.parallel_state)
+        with veomni_output(), use_parallel_state(self.parallel_state):
+            yield
 
     def _build(self):
         model, report = self._build_model()
-        with self._veomni(), value_model.quiet_veomni():
+        with self._veomni():
             optimizer = parallelize.build_optimizer(model, self.config.optim)  # trainable parameters only
             scheduler = parallelize.build_lr_scheduler(optimizer, self.config.optim)
         return model, report, optimizer, scheduler
@@ -95,7 +101,7 @@ class VeOmniCriticEngine(FSDP2Engine):
                 raise error
             device = self.dist.device
             init_device = "meta" if fsdp else device.type
-            with self._veomni(), value_model.quiet_veomni():
+            with self._veomni():
                 model = value_model.build_critic(self.hf_config, weights_path=weights_dir, dtype=model_cfg.dtype,
                                                  attn_implementation=attention_for(self.config, padded="sdpa"),
                                                  init_device=init_device)

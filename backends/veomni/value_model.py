@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import os
 
 import torch
@@ -40,19 +39,6 @@ def modeling_backend() -> str:
     from veomni.utils.env import get_env
 
     return get_env("MODELING_BACKEND")
-
-
-@contextlib.contextmanager
-def quiet_veomni():
-    """VeOmni's INFO lines (one per tensor loaded, per kernel bound) off inside the block; its
-    logger's level is restored after, so the process's logging stays as it was."""
-    logger = logging.getLogger("veomni")
-    level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def check_family_registered(config) -> None:

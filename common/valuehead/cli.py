@@ -22,6 +22,9 @@ from .errors import CriticLoadError
 from .load import load_critic, plan_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What both `values` outputs hold, as the trainer aligns old values and returns.
+ALIGNMENT = ("values[t] is the critic's value for token t, read at position t-1 (the state before it); "
+             "values[0] has none and is 0.0")
 
 
 def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remote_code: bool = False) -> dict:
@@ -64,7 +67,7 @@ def _print_inspection(info: dict) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m critic_adapters.common.valuehead", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     def load_options(p):
@@ -83,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-head", action="store_true", help="ignore any head in SRC; start from a fresh one")
     load_options(p)
 
-    p = sub.add_parser("values", help="per-token values for some tokens, or for a whole rollout file")
+    p = sub.add_parser("values", help="per-token values for some tokens, or for a whole rollout file",
+                       description=f"Per-token values for some tokens, or for a whole rollout file. Both outputs "
+                                   f"are aligned with the tokens: {ALIGNMENT}.")
     p.add_argument("path")
     p.add_argument("--tokens", help="token ids separated by spaces or commas (default: 12 random ids)")
     p.add_argument("--seed", type=int, default=0)
@@ -107,12 +112,14 @@ def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> No
             raise CriticLoadError(f"--tokens must be ids in [0, {vocab}); got {tokens!r}")
     else:
         ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(seed))
+    from ..engine import shift_to_tokens
     from .values import compute_values
 
     with torch.no_grad():
-        values = compute_values(model, ids, torch.ones_like(ids))
+        values = shift_to_tokens(compute_values(model, ids, torch.ones_like(ids)))
     print(f"tokens  {ids[0].tolist()}")
     print(f"values  {[round(v, 5) for v in values[0].tolist()]}  (shape {list(values.shape)}, {values.dtype})")
+    print(f"        {ALIGNMENT}")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -152,12 +159,13 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
         raise CriticLoadError(f"{out} already exists; choose a new --out file")
     _refuse_unwritable(out, "file")
     records = read_records(rollouts)
-    model, report = load_critic(path, **load_kwargs)
-    print(report, file=sys.stderr)
-    text = model.config.get_text_config()
-    for note in validate_records(records, text.vocab_size, rollouts,
+    # The file is checked against the model's config.json before the (maybe large) model is loaded.
+    text = plan_load(path, **load_kwargs).config.get_text_config()
+    for note in validate_records(records, text.vocab_size, rollouts, targets=False,
                                  max_positions=getattr(text, "max_position_embeddings", None)):
         print(note, file=sys.stderr)
+    model, report = load_critic(path, **load_kwargs)
+    print(report, file=sys.stderr)
     values = []
     with torch.no_grad(), tqdm(total=len(records), desc="values", unit="rollout", file=sys.stderr) as bar:
         for start in range(0, len(records), batch_size):
@@ -176,7 +184,7 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     tmp = out + ".tmp"
     pq.write_table(table, tmp)
     os.replace(tmp, out)
-    print(f"wrote {out}: values for {len(records)} rollouts ({sum(len(v) for v in values)} tokens)")
+    print(f"wrote {out}: values for {len(records)} rollouts ({sum(len(v) for v in values)} tokens); {ALIGNMENT}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,12 @@ class LoadReport:
 
 def read_config_dict(path: str) -> dict:
     config_file = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise CriticLoadError(f"{path} does not exist; pass a Hugging Face model directory (the folder that holds "
+                              f"config.json)")
+    if os.path.isfile(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        raise CriticLoadError(f"{path} is a file; pass the model directory that holds it ({folder}), not a file in it")
     if not os.path.isfile(config_file):
         raise CriticLoadError(f"{path} has no config.json; a critic checkpoint is a Hugging Face model directory")
     with open(config_file) as f:

@@ -40,10 +40,12 @@ def compute_values(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Values [B, T] in float32 (even for a bf16 model); the value for token t is read at position t.
+    """Values [B, T] in float32 (even for a bf16 model), unshifted: entry t is the critic's output
+    at position t, the state after token t.
 
-    Callers shift: the value of response token t is conventionally read at t-1 (verl, OpenRLHF,
-    trl, NeMo-RL all do), so converting formats never reindexes.
+    The value OF token t (what old values and returns are aligned with) is entry t - 1: verl,
+    OpenRLHF, trl and NeMo-RL all read it there, and common.engine.shift_to_tokens does the shift.
+    Keeping this function unshifted means converting formats never reindexes.
 
     Packed rows (2-D position_ids restarting at 0 per sequence, from common.batching) are run with
     attention_mask=None and no cache. Their sequence bounds are stated to our packed attention, and

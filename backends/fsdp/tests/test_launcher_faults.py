@@ -90,7 +90,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
                                 "trainer.progress=false", "trainer.tensorboard=false"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in process.stdout:
-        if "checkpoint saved: step_000004" in line:
+        if line.startswith("checkpoint saved: ") and line.rstrip().endswith("/step_000004"):
             break
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)

@@ -101,7 +101,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
 
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     process = _start(tmp_path, *SHORT)
-    _wait_for(process, "checkpoint saved: step_000004")
+    _wait_for(process, "/checkpoints/step_000004")
     os.kill(process.pid, signal.SIGINT)  # what a terminal sends the launcher (torchrun has its own session)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr[-3000:]

@@ -56,7 +56,7 @@ def _killed_after_step_8(run_dir) -> None:
     seen = []
     for line in process.stdout:
         seen.append(line)
-        if "checkpoint saved: step_000008" in line:
+        if line.startswith("checkpoint saved: ") and line.rstrip().endswith("/step_000008"):
             os.killpg(process.pid, signal.SIGKILL)
             break
     process.wait(timeout=120)

@@ -57,7 +57,7 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     seen = []
     for line in process.stdout:
         seen.append(line)
-        if "checkpoint saved: step_000008" in line:
+        if line.startswith("checkpoint saved: ") and line.rstrip().endswith("/step_000008"):
             os.killpg(process.pid, signal.SIGKILL)
             break
     process.wait(timeout=120)
