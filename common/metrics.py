@@ -75,14 +75,24 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> str:
+    """training.png from metrics.jsonl (metrics_figure); returns png_path."""
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(read_metrics(metrics_path))
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def metrics_figure(records: list[dict]):
     """The unclipped 0.5 * MSE (train: `mse`, eval: `value_loss`, the same quantity) and explained
-    variance against step, train as a line and held-out evaluations as markers."""
+    variance against step, train as a line and held-out evaluations as markers (a lone point of
+    either is a marker). The explained-variance axis is not clipped: it is unbounded below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
     fig, (ax_loss, ax_ev) = plt.subplots(1, 2, figsize=(11, 4))
     for split, loss_key, style in (("train", "mse", "-"), ("eval", "value_loss", "o-")):
         rows = [r for r in records if r["split"] == split and r.get(loss_key) is not None]
@@ -100,6 +110,4 @@ def plot_metrics(metrics_path: str, png_path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+    return fig

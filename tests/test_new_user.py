@@ -1,0 +1,314 @@
+"""What a new user trips over (issue 14), one test per item, through the real commands where there
+is one: each runs in a subprocess as a user would, and asserts the exit code, the message and
+what is left on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import run_launcher, worker_env
+
+FSDP, MEGATRON, VEOMNI = (f"critic_adapters.backends.{name}.train" for name in ("fsdp", "megatron", "veomni"))
+VALUEHEAD = "critic_adapters.common.valuehead"
+TINY = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1"]
+
+
+def cli(*args: str, cwd=None, umask: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", VALUEHEAD, *args], env=worker_env(), capture_output=True, text=True,
+                          timeout=300, cwd=cwd, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+
+
+def refused(result, *fragments):
+    assert result.returncode == 2, f"rc={result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    for fragment in fragments:
+        assert fragment in result.stderr, f"{fragment!r} not in:\n{result.stderr[-3000:]}"
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def printed_config(result) -> dict:
+    import yaml
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    return yaml.safe_load(result.stdout)
+
+
+def lr_only_yaml(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("engine:\n  optim:\n    lr: 1.0e-4\n")
+    return str(path)
+
+
+# 1. A backend's launcher defaults `backend` to itself.
+def test_1_the_megatron_launcher_takes_a_yaml_without_backend(tmp_path):
+    config = printed_config(run_launcher(MEGATRON, "--nproc", "2", lr_only_yaml(tmp_path), "engine.parallel.tensor=2",
+                                         "--print-config"))
+    assert config["backend"] == "megatron"
+    ok = run_launcher(MEGATRON, "--nproc", "2", lr_only_yaml(tmp_path), "engine.parallel.tensor=2", "--dry-run",
+                      f"trainer.run_dir={tmp_path / 'run'}")
+    assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr[-3000:]
+    # Written by the user, a mismatch is still refused.
+    (tmp_path / "fsdp.yaml").write_text("backend: fsdp\n")
+    refused(run_launcher(MEGATRON, str(tmp_path / "fsdp.yaml"), "--dry-run"),
+            "backend=fsdp in the config, but this is the megatron launcher")
+
+
+# 2. Layers: dataclass defaults < the backend's default.yaml < the user's YAML files < overrides.
+def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
+    config = printed_config(run_launcher(MEGATRON, lr_only_yaml(tmp_path), "--print-config"))
+    engine = config["engine"]
+    assert engine["optim"]["lr"] == 1e-4                                   # the user's file
+    assert engine["optim"]["lr_schedule"] == "cosine" and engine["optim"]["warmup_steps"] == 10  # the default job's
+    assert engine["batching"]["micro_batch_tokens"] == 2048 and engine["parallel"]["tensor"] == 2
+    assert config["trainer"]["run_dir"] == "outputs/megatron-default"
+    (tmp_path / "second.yaml").write_text("engine:\n  optim:\n    lr: 3.0e-4\n    warmup_steps: 2\n")
+    config = printed_config(run_launcher(MEGATRON, lr_only_yaml(tmp_path), str(tmp_path / "second.yaml"),
+                                         "engine.optim.warmup_steps=5", "--print-config"))
+    assert config["engine"]["optim"]["lr"] == 3e-4 and config["engine"]["optim"]["warmup_steps"] == 5
+    assert config["engine"]["optim"]["lr_schedule"] == "cosine"
+    help_text = run_launcher(MEGATRON, "--help").stdout
+    assert "later wins, key by key" in help_text and "configs/default.yaml" in help_text
+
+
+# 3. The dry run and the launcher check the process count, the layout and the heads first.
+def test_3_layout_errors_before_any_process_starts_and_leave_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    heads = "engine.parallel.tensor=3 must divide the attention heads (4)"
+    refused(run_launcher(MEGATRON, "--nproc", "3", "engine.parallel.tensor=3", "--dry-run",
+                         f"trainer.run_dir={run_dir}"), heads)
+    refused(run_launcher(MEGATRON, "--nproc", "3", "engine.parallel.tensor=3", f"trainer.run_dir={run_dir}"), heads)
+    refused(run_launcher(MEGATRON, "engine.parallel.tensor=3", f"trainer.run_dir={run_dir}"), heads)
+    refused(run_launcher(MEGATRON, "--nproc", "2", "engine.parallel.tensor=3", "--dry-run",
+                         f"trainer.run_dir={run_dir}"), "2 processes cannot be split into groups of")
+    refused(run_launcher(MEGATRON, "--nproc", "3", "--dry-run", f"trainer.run_dir={run_dir}"),
+            "3 processes cannot be split into groups of engine.parallel tensor x pipeline x context x ulysses = 2")
+    for count in ("0", "-1"):
+        refused(run_launcher(FSDP, "--nproc", count, f"trainer.run_dir={run_dir}"), f"--nproc {count}: the process "
+                "count must be >= 1")
+    assert not run_dir.exists()
+    ok = run_launcher(MEGATRON, "--nproc", "4", "--dry-run", f"trainer.run_dir={run_dir}")
+    assert ok.returncode == 0 and "processes: 4 (tensor 2 x data parallel 2)" in ok.stdout, ok.stderr[-3000:]
+
+
+# 4. A bad value type is one line: the key, where it came from, the type expected.
+def test_4_bad_value_types_are_one_line_naming_key_file_and_type(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("engine:\n  optim:\n    lr: fast\n")
+    result = run_launcher(FSDP, str(path), "--dry-run")
+    refused(result, f"engine.optim.lr='fast' in {path}: expected float")
+    assert len(error_lines(result)) == 1, result.stderr
+    result = run_launcher(FSDP, "engine.parallel.sequence_parallel=maybe", "--dry-run")
+    refused(result, "engine.parallel.sequence_parallel='maybe' in the command line: expected true/false")
+    assert len(error_lines(result)) == 1, result.stderr
+
+
+# 5. --resume with only trainer.run_dir resumes from the run's own config.yaml.
+def test_5_resume_with_only_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_launcher(FSDP, *TINY, "data.num_rollouts=40", f"trainer.run_dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_launcher(FSDP, "--resume", f"trainer.run_dir={run_dir}", "trainer.epochs=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume: the run's settings from {run_dir / 'config.yaml'}" in resumed.stdout
+    assert "resume: trainer.epochs changed from 1 to 2" in resumed.stdout
+    # A setting that cannot change is still refused, naming the key.
+    refused(run_launcher(FSDP, "--resume", f"trainer.run_dir={run_dir}", "engine.optim.lr=1"),
+            "engine.optim.lr: 0.002 in the run, 1.0 now")
+
+
+def clean_run(launcher: str, run_dir, *extra: str) -> subprocess.CompletedProcess:
+    result = run_launcher(launcher, *extra, *TINY, "trainer.save_every_steps=2", f"trainer.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+NOISE = re.compile(r"WARN|ERROR|Warning|\[INFO", re.IGNORECASE)
+
+
+# 6. A clean default run prints no library line at WARNING or above on stdout (and no known noise anywhere).
+@pytest.mark.parametrize("launcher,extra", [(FSDP, ("--nproc", "2")), (MEGATRON, ()), (VEOMNI, ("--nproc", "2"))])
+def test_6_a_clean_run_prints_no_warning_on_stdout(tmp_path, launcher, extra):
+    result = clean_run(launcher, tmp_path / "run", *extra)
+    noisy = [line for line in result.stdout.splitlines() if NOISE.search(line)]
+    assert not noisy, "\n".join(noisy)
+    known = ("UserWarning", "cache_position", "all-zero values", "Environment Variables", "torch_dtype",
+             "CUDA_DEVICE_MAX_CONNECTIONS", "cuda_graph_scope", "sequence parallelism support")
+    assert not [k for k in known if k in result.stderr], result.stderr[-4000:]
+    assert "final explained_variance=" in result.stdout
+
+
+# 7. The console says where things went; a Ctrl-C after training finished says so.
+def test_7_the_console_names_every_output(tmp_path):
+    run_dir = tmp_path / "run"
+    out = clean_run(FSDP, run_dir).stdout
+    assert f"run dir: {run_dir} (metrics.jsonl, tensorboard/, checkpoints/, hf_export/, training.png)" in out
+    assert f"checkpoint saved: {run_dir / 'checkpoints' / 'step_000002'}" in out
+    assert f"metrics: {run_dir / 'metrics.jsonl'}, TensorBoard logs: {run_dir / 'tensorboard'}" in out
+    assert f"exported {run_dir / 'hf_export'}" in out and f"plot: {run_dir / 'training.png'}" in out
+
+
+INTERRUPT_AFTER_EXPORT = """
+import sys
+import critic_adapters.common.trainer as trainer
+from critic_adapters.backends.fsdp.train import main
+
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # Ctrl-C while the plot is drawn: after the final checkpoint and the export
+trainer.plot_metrics = interrupted
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_7_ctrl_c_after_training_finished_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", INTERRUPT_AFTER_EXPORT, *TINY, f"trainer.run_dir={run_dir}"],
+                            env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 130, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert lines[-1].startswith("interrupted after training had finished (step 3): the final checkpoint "
+                                f"{run_dir / 'checkpoints' / 'step_000003'} is complete"), lines
+    assert "interrupted before training began" not in result.stderr
+    assert (run_dir / "hf_export" / "config.json").is_file()
+
+
+# 8. The plot compares like with like; metrics rows carry epoch and time; the README links the definitions.
+def test_8_plot_and_metrics_rows(tmp_path):
+    from critic_adapters.common.metrics import metrics_figure
+
+    records = [{"step": 0, "split": "eval", "epoch": 0, "value_loss": 2.0, "explained_variance": -3.0},
+               {"step": 1, "split": "train", "epoch": 1, "value_loss": 9.0, "mse": 1.5, "explained_variance": -2.0}]
+    fig = metrics_figure(records)
+    ax_loss, ax_ev = fig.axes
+    train_line, eval_line = ax_loss.get_lines()
+    assert list(train_line.get_ydata()) == [1.5]  # the unclipped mse, not the clipped PPO loss (9.0)
+    assert train_line.get_marker() == "o" and eval_line.get_marker() == "o"  # single points are visible
+    assert ax_loss.get_ylabel() and ax_ev.get_ylabel()
+    assert ax_ev.get_ylim()[0] <= -3.0  # explained variance is not clipped at -0.5
+
+    run_dir = tmp_path / "run"
+    clean_run(FSDP, run_dir)
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert all("epoch" in row and isinstance(row["time"], float) for row in rows)
+    train = [row for row in rows if row["split"] == "train"]
+    assert all(row["epoch"] == 1 and row["mse"] > 0 for row in train)
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        assert "docs/METRICS.md" in f.read()
+
+
+# 9. Outputs honour the umask.
+def test_9_exports_honour_the_umask(tmp_path):
+    model = tmp_path / "model"
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+
+    save_tiny_causal_lm("qwen2", str(model))
+    result = cli("convert", str(model), str(tmp_path / "critic"), umask=0o002)
+    assert result.returncode == 0, result.stderr
+    mode = stat.S_IMODE(os.stat(tmp_path / "critic").st_mode)
+    assert mode == 0o775, oct(mode)
+    assert stat.S_IMODE(os.stat(tmp_path / "critic" / "config.json").st_mode) == 0o664
+    result = cli("convert", str(model), str(tmp_path / "private"), umask=0o077)
+    assert stat.S_IMODE(os.stat(tmp_path / "private").st_mode) == 0o700
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+# 10. / 11. One alignment for both values outputs; values need no returns; a missing column is one line.
+def test_10_11_values_cli_one_alignment_and_no_returns_needed(tmp_path):
+    import pyarrow.parquet as pq
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+
+    model = str(tmp_path / "model")
+    save_tiny_causal_lm("qwen2", model)
+    tokens = [1, 22, 642, 7, 9, 30]
+    printed = cli("values", model, "--tokens", " ".join(map(str, tokens)))
+    assert printed.returncode == 0, printed.stderr
+    line = next(line for line in printed.stdout.splitlines() if line.startswith("values  "))
+    shown = json.loads(line.split("  ")[1].split("  (")[0])
+    assert "values[t] is the critic's value for token t, read at position t-1" in printed.stdout
+    rollouts = write_jsonl(tmp_path / "ids_only.jsonl", [{"input_ids": tokens, "response_mask": [0, 0, 0, 1, 1, 1]}])
+    written = cli("values", model, "--rollouts", rollouts, "--out", str(tmp_path / "v.parquet"))
+    assert written.returncode == 0, written.stderr  # no returns or rewards needed
+    (row,) = pq.read_table(tmp_path / "v.parquet").to_pylist()
+    assert shown[0] == 0.0 and row["values"][0] == 0.0
+    assert shown == pytest.approx([round(v, 5) for v in row["values"]], abs=1e-5)
+    assert "values[t] is the critic's value for token t" in cli("values", "--help").stdout
+
+    no_mask = write_jsonl(tmp_path / "no_mask.jsonl", [{"input_ids": tokens}] * 30)
+    result = cli("values", model, "--rollouts", no_mask, "--out", str(tmp_path / "w.parquet"))
+    refused(result, "no row has the field(s) ['response_mask']")
+    assert len(error_lines(result)) == 1, result.stderr  # once, not once per row
+    assert not (tmp_path / "w.parquet").exists()
+
+
+def test_11_the_rollout_file_is_checked_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+    from critic_adapters.common.valuehead import cli as cli_module
+
+    model = str(tmp_path / "model")
+    save_tiny_causal_lm("qwen2", model)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the rollouts were checked")
+
+    monkeypatch.setattr(cli_module, "load_critic", never)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 5000], "response_mask": [0, 1]}])
+    assert cli_module.main(["values", model, "--rollouts", bad, "--out", str(tmp_path / "v.parquet")]) == 2
+    assert "outside the model's vocabulary [0, 1000)" in capsys.readouterr().err
+
+
+# 12. Docstrings an engine user can work from.
+def test_12_engine_docstrings_say_how_to_use_it():
+    from critic_adapters.common.engine import CriticEngine, RolloutBatch, build_engine
+    from critic_adapters.common.valuehead import compute_values
+
+    assert "init_distributed()" in build_engine.__doc__ and "DistContext" in build_engine.__doc__
+    values_doc = CriticEngine.compute_values.__doc__
+    assert "UNSHIFTED" in values_doc and "shift_to_tokens" in values_doc and "float32 [B, T]" in values_doc
+    assert "every field" in CriticEngine.update.__doc__ and "token-aligned" in CriticEngine.update.__doc__
+    assert "value at position t - 1" in RolloutBatch.__doc__
+    # compute_values agrees with the README: the value of token t is entry t - 1.
+    assert "entry t - 1" in compute_values.__doc__ and "read at position t" not in compute_values.__doc__.split("\n")[0]
+
+
+# 13. Small ones.
+def test_13_small_ones(tmp_path):
+    missing = cli("inspect", str(tmp_path / "does/not/exist"))
+    refused(missing, "does not exist; pass a Hugging Face model directory")
+    model = tmp_path / "model"
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+
+    save_tiny_causal_lm("qwen2", str(model))
+    refused(cli("inspect", str(model / "config.json")), f"is a file; pass the model directory that holds it ({model})")
+    help_text = run_launcher(FSDP, "--help").stdout
+    first = "Train a PPO critic with the FSDP2 engine"
+    assert help_text.count(first) == 1, help_text
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        assert "valuehead demo" in f.read()
+    dry = run_launcher(FSDP, "--dry-run", f"trainer.run_dir={tmp_path / 'run'}")
+    assert "initialise score.weight (fresh head), score.bias (zero)" in dry.stdout and "['" not in dry.stdout
+
+
+def test_13_the_nan_hint_names_the_real_module():
+    import torch
+    from critic_adapters.common.config import TrainConfig
+    from critic_adapters.common.trainer import check_model_values
+
+    with pytest.raises(ValueError, match=r"python -m critic_adapters\.common\.valuehead inspect"):
+        check_model_values(torch.tensor([[0.0, float("nan")]]), torch.tensor([[0, 1]]), TrainConfig(), "values")
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
