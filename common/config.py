@@ -131,6 +131,39 @@ class ParallelConfig:
         return world_size // self.model_parallel_size
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """A LoRA critic (common/lora.py): adapters on the backbone's projections, its base weights
+    frozen, the value head trained in full."""
+
+    rank: int = 0
+    """LoRA rank r; 0 turns LoRA off (a full-parameter critic)."""
+    alpha: float = 16.0
+    """Scaling: the adapter adds (alpha / rank) * B @ A to each target weight."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (training only)."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    """The projections adapted, by their HF module names (the attention and MLP projections)."""
+    adapter_path: str | None = None
+    """A peft LoRA adapter directory to start from (its rank, alpha and targets must match)."""
+
+    def __post_init__(self):
+        self.target_modules = list(self.target_modules)
+        if self.rank < 0:
+            raise ValueError(f"engine.lora.rank={self.rank} must be >= 0 (0 turns LoRA off)")
+        if self.alpha <= 0:
+            raise ValueError(f"engine.lora.alpha={self.alpha} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"engine.lora.dropout={self.dropout} must be in [0, 1)")
+        if self.rank and not self.target_modules:
+            raise ValueError("engine.lora.target_modules is empty: name the projections to adapt, e.g. [q_proj, v_proj]")
+        if self.adapter_path is not None and not self.rank:
+            raise ValueError(f"engine.lora.adapter_path={self.adapter_path} needs engine.lora.rank > 0 (the adapter's rank)")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class EngineConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -138,6 +171,7 @@ class EngineConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     mixed_precision: str = "none"
     """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 values. The fsdp
     backend keeps the head in fp32; VeOmni applies one policy to every FSDP unit, so its head runs

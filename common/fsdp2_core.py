@@ -51,7 +51,7 @@ from .distributed import DistContext, all_reduce, barrier
 from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ParallelMesh
 from .registry import check_engine_config
-from .transforms import export_state_dict
+from .transforms import engine_transforms, export_state_dict, transform_names
 from .update_step import StepStats, plan_step, step_micro_batches
 from .valuehead import save_critic
 from .valuehead.attention import flash_attention_available
@@ -100,7 +100,7 @@ class FSDP2Engine(abc.ABC):
             self._release_all()
             raise
         self.vocab_size = self.model.config.get_text_config().vocab_size
-        self.fingerprint = critic_fingerprint(self.model, config.transforms)
+        self.fingerprint = critic_fingerprint(self.model, transform_names(engine_transforms(config)))
 
     # -- hooks ---------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -237,10 +237,30 @@ class FSDP2Engine(abc.ABC):
         self._settle()
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.dp_rank == 0:
-            plain = export_state_dict(full, self.config.transforms)
+            plain = export_state_dict(full, engine_transforms(self.config))
             with self._export_config():
                 save_critic(self.model, directory, state_dict=plain, overwrite=True)
         barrier(self.dp_group)
+
+    def export_adapter(self, directory: str) -> None:
+        """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py),
+        which peft.PeftModel.from_pretrained loads onto the base critic; engine.lora.rank must be > 0."""
+        lora = self.config.lora
+        if not lora.rank:
+            raise ValueError("export_adapter: this critic has no LoRA adapter (engine.lora.rank=0); use export_hf")
+        from .lora import write_adapter
+        from .valuehead.config import head_name
+
+        self._settle()
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dp_rank == 0:
+            write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
+        barrier(self.dp_group)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the whole critic (full shapes, not this rank's shards)."""
+        params = list(self.model.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
     def close(self) -> None:
         """Release the sharded model and optimizer (and the mesh, when the engine built it). Call

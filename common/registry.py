@@ -33,6 +33,7 @@ OPTIONAL_KNOBS: dict[str, object] = {
     "cpu_offload": False,
     "model.attn_implementation": None,
     "transforms": [],
+    "lora.rank": 0,
 }
 
 
@@ -78,7 +79,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "fsdp": BackendSpec(
         factory=".backends.fsdp.engine:FSDPCriticEngine",
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
-                         "transforms"}),
+                         "transforms", "lora.rank"}),
         launcher=".backends.fsdp.train",
         default_config="backends/fsdp/configs/default.yaml",
     ),
@@ -172,25 +173,34 @@ def _resolve(target: str | Callable) -> Callable:
     return getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
 
 
-def model_text_config(model: ModelConfig):
-    """The HF text config of engine.model.path (`embedded:<family>` included), read from config.json only."""
+def model_critic_config(model: ModelConfig):
+    """The critic config (TokenClassification, num_labels=1) of engine.model.path (`embedded:<family>`
+    included), from config.json and tensor headers only."""
     if model.path.startswith("embedded:"):
         from .testdata import tiny_config
+        from .valuehead.config import critic_config
 
-        return tiny_config(model.path.removeprefix("embedded:")).get_text_config()
+        return critic_config(tiny_config(model.path.removeprefix("embedded:")))
     from .valuehead.load import plan_load
 
-    return plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code
-                     ).config.get_text_config()
+    return plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code).config
 
 
 def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
-    """The world splits into engine.parallel's groups, and the backend's check_layout (if any)
-    accepts the model under that layout; ValueError otherwise. Reads config.json, builds nothing."""
+    """The world splits into engine.parallel's groups, the backend's check_layout (if any) accepts
+    the model under that layout, and engine.lora fits the model (common.lora.check_lora); ValueError
+    otherwise. Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
     engine.parallel.data_parallel_size(world_size)
     spec = backend_spec(name)
+    if spec.check_layout is None and not engine.lora.rank:
+        return
+    critic_config = model_critic_config(engine.model)
     if spec.check_layout is not None:
-        _resolve(spec.check_layout)(model_text_config(engine.model), engine, world_size)
+        _resolve(spec.check_layout)(critic_config.get_text_config(), engine, world_size)
+    if engine.lora.rank:
+        from .lora import check_lora
+
+        check_lora(critic_config, engine.lora)
 
 
 def build_engine(backend: str, config: EngineConfig, dist, **kwargs):

@@ -262,6 +262,9 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     mini = config.data.mini_batch_size
     total_steps = steps_per_epoch * trainer.epochs
     say(str(engine.load_report))
+    if hasattr(engine, "parameter_counts"):
+        trainable, total = engine.parameter_counts()
+        say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
     say(f"run dir: {run_dir} (metrics.jsonl{', tensorboard/' if trainer.tensorboard else ''}, checkpoints/"
         f"{', hf_export/' if trainer.export_hf else ''}{', training.png' if trainer.plot else ''})")
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "

@@ -12,6 +12,9 @@ fingerprint records the transforms and which parameters they left trainable
 (common.checkpoints.critic_fingerprint).
 
 engine.transforms names them, in order; `register_transform(name, transform)` adds one.
+`engine_transforms(config)` is what an engine applies: those, then LoRA when engine.lora.rank > 0
+(common/lora.py). Wherever a list of transforms is taken, an item is a registered name or a
+ModelTransform itself.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class ModelTransform:
     to_plain: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     """The plain critic's full state dict from the transformed one's; None when the keys are unchanged."""
     doc: str = ""
+    name: str = ""
+    """How the checkpoint fingerprint names it (a registered transform: its registry name)."""
 
 
 def _freeze(params) -> None:
@@ -68,22 +73,42 @@ def check_transforms(names) -> None:
                          f"{', '.join(sorted(TRANSFORMS))}")
 
 
-def apply_transforms(model: torch.nn.Module, names) -> torch.nn.Module:
-    """`model` rewritten by each named transform in order; ValueError when it leaves nothing to train."""
-    check_transforms(names)
-    for name in names:
-        TRANSFORMS[name].apply(model)
-    if names and not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"engine.transforms={list(names)} froze every parameter: nothing is left to train")
+def engine_transforms(config) -> list:
+    """The transforms an engine with EngineConfig `config` applies: engine.transforms in order, then
+    LoRA when engine.lora.rank > 0."""
+    items = list(config.transforms)
+    if config.lora.rank:
+        from .lora import lora_transform
+
+        items.append(lora_transform(config.lora))
+    return items
+
+
+def _resolve(items) -> list[ModelTransform]:
+    check_transforms([item for item in items if isinstance(item, str)])
+    return [TRANSFORMS[item] if isinstance(item, str) else item for item in items]
+
+
+def transform_names(items) -> list[str]:
+    """What the checkpoint fingerprint records for a list of transforms."""
+    return [item if isinstance(item, str) else item.name for item in items]
+
+
+def apply_transforms(model: torch.nn.Module, items) -> torch.nn.Module:
+    """`model` rewritten by each transform in order; ValueError when it leaves nothing to train."""
+    transforms = _resolve(items)
+    for transform in transforms:
+        transform.apply(model)
+    if transforms and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"engine.transforms={transform_names(items)} froze every parameter: nothing is left to train")
     return model
 
 
-def export_state_dict(state: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+def export_state_dict(state: dict[str, torch.Tensor], items) -> dict[str, torch.Tensor]:
     """The plain critic's state dict from the transformed critic's (last transform first)."""
-    for name in reversed(list(names)):
-        to_plain = TRANSFORMS[name].to_plain
-        if to_plain is not None:
-            state = to_plain(state)
+    for transform in reversed(_resolve(items)):
+        if transform.to_plain is not None:
+            state = transform.to_plain(state)
     return state
 
 

@@ -18,7 +18,7 @@ from .sharded_load import load_sharded_critic
 from ...common.fsdp2_core import DTYPES, FSDP2Engine, attention_for
 from ...common.mesh import ParallelMesh, build_mesh
 from ...common.schedule import build_scheduler
-from ...common.transforms import apply_transforms, trainable_parameters
+from ...common.transforms import apply_transforms, engine_transforms, trainable_parameters
 
 
 class FSDPCriticEngine(FSDP2Engine):
@@ -41,7 +41,7 @@ class FSDPCriticEngine(FSDP2Engine):
             attn_implementation=attention_for(config),
             load_kwargs=dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
                              fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed),
-            transform=lambda critic: apply_transforms(critic, config.transforms),
+            transform=lambda critic: apply_transforms(critic, engine_transforms(config)),
             parallelize=lambda critic, mesh: parallelize_critic(
                 critic, mesh, mixed_precision=config.mixed_precision,
                 gradient_checkpointing=config.gradient_checkpointing, cpu_offload=cpu_offload),

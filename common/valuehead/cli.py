@@ -2,6 +2,7 @@
 
   python -m critic_adapters.common.valuehead inspect PATH [--json]
   python -m critic_adapters.common.valuehead convert SRC DST [--dtype bfloat16] [--fresh-head] [--head-prefix P]
+                                                             [--adapter ADAPTER_DIR]   # merge a peft LoRA adapter
   python -m critic_adapters.common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
   python -m critic_adapters.common.valuehead values PATH --rollouts FILE --out values.parquet   # a whole rollout file
   python -m critic_adapters.common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
@@ -84,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output directory; must not exist or be empty")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--fresh-head", action="store_true", help="ignore any head in SRC; start from a fresh one")
+    p.add_argument("--adapter", help="a peft LoRA adapter of SRC (engine.export_adapter): merge it and take its head")
     load_options(p)
 
     p = sub.add_parser("values", help="per-token values for some tokens, or for a whole rollout file",
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             _refuse_unwritable(args.dst, "directory")  # before loading what may be a large model
 
             model, report = load_critic(args.src, torch_dtype=DTYPES[args.dtype], head_prefix=args.head_prefix,
-                                        fresh_head=args.fresh_head, trust_remote_code=args.trust_remote_code)
+                                        fresh_head=args.fresh_head, trust_remote_code=args.trust_remote_code,
+                                        adapter_path=args.adapter)
             print(report)
             out = save_critic(model, args.dst)
             print(f"wrote {out} ({model.config.architectures[0]}, num_labels=1)")

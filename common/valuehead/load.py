@@ -235,6 +235,7 @@ def load_critic(
     head_prefix: str | None = None,
     fresh_head: bool = False,
     head_init_seed: int = 0,
+    adapter_path: str | None = None,
 ):
     """Load any critic checkpoint as a per-token critic with a `score` head and no `lm_head`.
 
@@ -247,6 +248,8 @@ def load_critic(
       head_prefix: the head is stored as `<prefix>.weight` (+ optional `<prefix>.bias`).
       fresh_head: ignore any head in the checkpoint and start from a fresh, seeded one.
       head_init_seed: seed of a fresh head, so that all ranks build the same one.
+      adapter_path: a peft LoRA adapter directory of this critic (e.g. engine.export_adapter's):
+        its LoRA weights are merged into the base weights and its head replaces the head.
 
     Returns (model, LoadReport). The model is in eval mode.
     """
@@ -278,6 +281,14 @@ def load_critic(
         raise CriticLoadError(_shape_mismatch_message(path, index, model_cls, critic_cfg)) from None
     missing, unexpected = _check_loading_info(path, info, detection, head_attr, fresh_head, plan.projections)
     head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
+    if adapter_path is not None:
+        from ..lora import merge_adapter
+
+        try:
+            merge_adapter(model, os.fspath(adapter_path))
+        except ValueError as err:
+            raise CriticLoadError(str(err)) from None
+        head = "loaded"
     _check_finite(model, path)
     assert not any(name.split(".")[-1] == "lm_head" for name, _ in model.named_modules()), "critic has an lm_head"
     model.eval()

@@ -1,0 +1,237 @@
+"""LoRA critics: peft's LoRA layers injected into the HF critic by the model-transform stage, with
+the value head trained in full (peft's `modules_to_save=["score"]`) and every base weight frozen.
+
+  engine.lora.rank > 0 -> lora_transform(engine.lora): a ModelTransform (common/transforms.py) that
+  - injects peft LoRA layers (peft.inject_adapter_in_model, adapter "default") into the target
+    projections, B = 0, so the critic's values are the base critic's exactly at the start;
+  - keeps the head trainable and everything else frozen;
+  - maps back to the plain critic at export (W + alpha/r * B @ A, on copies: a full state dict
+    shares memory with the live parameters);
+  - optionally starts from a peft adapter directory (lora.adapter_path).
+
+The adapter a critic carries is written in peft's own layout (`adapter_config.json` and
+`adapter_model.safetensors` with keys `base_model.model.<name>.lora_A.weight`, ...,
+`base_model.model.score.weight`), so `peft.PeftModel.from_pretrained(AutoModelForTokenClassification
+.from_pretrained(base), dir)` loads it with no missing or unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .config import LoRAConfig
+from .transforms import ModelTransform
+from .valuehead.config import head_name
+
+ADAPTER = "default"  # peft's adapter name inside the module tree (not in the saved keys)
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def peft_lora_config(lora: LoRAConfig, head: str | None, base_path: str | None = None):
+    """peft's LoraConfig for engine.lora. `head`: the modules_to_save of a saved adapter; None when
+    injecting (the critic's head stays the plain module, trained in place, not peft's wrapper copy)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), modules_to_save=[head] if head else None,
+                      bias="none", base_model_name_or_path=base_path)
+
+
+def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
+    """Every target module name exists in the critic as a Linear; ValueError naming the missing ones."""
+    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    missing = [target for target in lora.target_modules if target not in present]
+    if missing:
+        family = getattr(model.config, "model_type", "this model")
+        raise ValueError(f"engine.lora.target_modules names {missing}, which {family} does not have as linear layers; "
+                         f"it has {sorted(present - {head_name(model.config)})}")
+
+
+def _inject(model: torch.nn.Module, lora: LoRAConfig) -> None:
+    from peft import inject_adapter_in_model
+
+    check_targets(model, lora)
+    head = head_name(model.config)
+    inject_adapter_in_model(peft_lora_config(lora, None), model, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+                             or name.startswith(f"{head}."))
+    if lora.adapter_path is not None and not _is_meta(model):
+        load_adapter_into(model, lora.adapter_path)
+
+
+def _is_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def lora_transform(lora: LoRAConfig) -> ModelTransform:
+    """The transform engine.lora describes (rank > 0)."""
+    return ModelTransform(apply=lambda model: _inject(model, lora), to_plain=lambda state: merged_state(state, lora),
+                          doc=f"LoRA rank {lora.rank} on {list(lora.target_modules)}, head in full",
+                          name=f"lora(rank={lora.rank}, alpha={lora.alpha:g}, targets={','.join(lora.target_modules)})")
+
+
+def merged_state(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """The plain critic's state dict: each adapted projection's W + (alpha / r) * B @ A, adapters dropped."""
+    scale = lora.alpha / lora.rank
+    out = {}
+    for key, value in state.items():
+        if f".lora_A.{ADAPTER}." in key or f".lora_B.{ADAPTER}." in key:
+            continue
+        if ".base_layer." in key:
+            module, _, leaf = key.partition(".base_layer.")
+            if leaf == "weight":
+                a, b = state[f"{module}.lora_A.{ADAPTER}.weight"], state[f"{module}.lora_B.{ADAPTER}.weight"]
+                value = value.detach().clone() + scale * (b.float() @ a.float()).to(value.dtype)
+            out[f"{module}.{leaf}"] = value
+        else:
+            out[key] = value
+    return out
+
+
+def adapter_state(state: dict[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
+    """peft's saved keys for the LoRA weights and the head, from the transformed critic's state dict."""
+    out = {}
+    for key, value in state.items():
+        if f".lora_A.{ADAPTER}." in key or f".lora_B.{ADAPTER}." in key:
+            out[PEFT_PREFIX + key.replace(f".{ADAPTER}.", ".")] = value.detach().clone().contiguous()
+        elif key.startswith(f"{head}."):
+            out[PEFT_PREFIX + key] = value.detach().clone().contiguous()
+    return out
+
+
+def write_adapter(directory: str, state: dict[str, torch.Tensor], lora: LoRAConfig, head: str,
+                  base_path: str | None) -> str:
+    """A peft adapter directory (atomic): adapter_config.json + adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    from .atomic_dir import atomic_directory
+
+    with atomic_directory(directory, overwrite=True) as staging:
+        peft_lora_config(lora, head, base_path).save_pretrained(staging)
+        save_file(adapter_state(state, head), os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return directory
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, its tensors) of a peft adapter directory; ValueError for anything else."""
+    from safetensors.torch import load_file
+
+    config_file, weights = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)
+    if not (os.path.isfile(config_file) and os.path.isfile(weights)):
+        raise ValueError(f"engine.lora.adapter_path={path} is not a peft adapter directory (it needs {ADAPTER_CONFIG} "
+                         f"and {ADAPTER_WEIGHTS})")
+    with open(config_file) as f:
+        config = json.load(f)
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{config_file}: peft_type={config.get('peft_type')!r}; only LoRA adapters load here")
+    return config, load_file(weights)
+
+
+def check_adapter(path: str, lora: LoRAConfig) -> dict:
+    """The adapter's config, after checking it matches engine.lora (rank, alpha, targets); before any model."""
+    config, _ = read_adapter(path)
+    theirs = {"rank": config.get("r"), "alpha": config.get("lora_alpha"),
+              "target_modules": sorted(config.get("target_modules") or [])}
+    ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}
+    differ = [f"{key}: {theirs[key]} in the adapter, {ours[key]} in engine.lora" for key in ours
+              if theirs[key] != ours[key] and not (key == "alpha" and float(theirs[key] or 0) == float(ours[key]))]
+    if differ:
+        raise ValueError(f"engine.lora.adapter_path={path} was trained with other LoRA settings ({'; '.join(differ)}); "
+                         f"set engine.lora to the adapter's")
+    return config
+
+
+def load_adapter_into(model: torch.nn.Module, path: str) -> None:
+    """Copy a peft adapter's LoRA weights and head into a critic the LoRA transform rewrote; a key
+    or shape that does not fit (an adapter for another base) is a ValueError naming it."""
+    _, tensors = read_adapter(path)
+    params = dict(model.named_parameters())
+    expected = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): name for name in params
+                if params[name].requires_grad}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"engine.lora.adapter_path={path} does not fit this critic: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}{' ...' if len(missing) > 4 or len(unexpected) > 4 else ''}; it was trained "
+                         f"on another base model or with other target modules")
+    with torch.no_grad():
+        for key, name in expected.items():
+            if tuple(tensors[key].shape) != tuple(params[name].shape):
+                raise ValueError(f"engine.lora.adapter_path={path}: {key} has shape {tuple(tensors[key].shape)}, this "
+                                 f"critic's is {tuple(params[name].shape)}; the adapter is for another base model")
+            params[name].copy_(tensors[key].to(params[name].dtype))
+
+
+def merge_adapter(critic: torch.nn.Module, path: str) -> torch.nn.Module:
+    """Fold a peft LoRA adapter (and the head it carries) into a plain critic in place: what
+    `load_critic(..., adapter_path=)` and `convert SRC DST --adapter` do. ValueError when the
+    adapter does not fit the critic (another base model, other modules)."""
+    config, tensors = read_adapter(path)
+    scale = float(config["lora_alpha"]) / float(config["r"])
+    params = dict(critic.named_parameters())
+    head = head_name(critic.config)
+    used = set()
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            name = key.removeprefix(PEFT_PREFIX)
+            if name.endswith(".lora_A.weight"):
+                module = name.removesuffix(".lora_A.weight")
+                b_key = f"{PEFT_PREFIX}{module}.lora_B.weight"
+                target = params.get(f"{module}.weight")
+                if target is None or b_key not in tensors:
+                    raise ValueError(f"adapter {path}: {key} names a module this critic does not have (or has no "
+                                     f"lora_B); the adapter is for another base model")
+                delta = scale * (tensors[b_key].float() @ tensor.float())
+                if tuple(delta.shape) != tuple(target.shape):
+                    raise ValueError(f"adapter {path}: {module} would change a {tuple(target.shape)} weight by "
+                                     f"{tuple(delta.shape)}; the adapter is for another base model")
+                target.add_(delta.to(target.dtype))
+                used |= {key, b_key}
+            elif name.startswith(f"{head}."):
+                target = params.get(name)
+                if target is None or tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"adapter {path}: its head {name} {tuple(tensor.shape)} does not fit this critic's "
+                                     f"{None if target is None else tuple(target.shape)}")
+                target.copy_(tensor.to(target.dtype))
+                used.add(key)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"adapter {path}: tensors {unused[:4]} are neither LoRA weights nor the head {head!r}; only "
+                         f"LoRA adapters of a critic merge")
+    return critic
+
+
+def check_lora(critic_config, lora: LoRAConfig) -> None:
+    """What engine.lora asks of this critic, checked on a meta-device copy before anything is
+    loaded or any process group exists: the target modules exist, and an adapter_path fits (its
+    rank, alpha and targets are engine.lora's, its tensors have this critic's shapes)."""
+    from safetensors import safe_open
+
+    from .valuehead.config import critic_class
+
+    with torch.device("meta"):
+        model = critic_class(critic_config)(critic_config)
+    _inject(model, lora)
+    if lora.adapter_path is None:
+        return
+    check_adapter(lora.adapter_path, lora)
+    params = dict(model.named_parameters())
+    expected = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): tuple(params[name].shape) for name in params
+                if params[name].requires_grad}
+    with safe_open(os.path.join(lora.adapter_path, ADAPTER_WEIGHTS), "pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    wrong = [f"{key} {shapes[key]} (this critic: {shape})" for key, shape in expected.items()
+             if key in shapes and shapes[key] != shape]
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if wrong or missing or unexpected:
+        problem = "; ".join(filter(None, [
+            f"shapes differ: {', '.join(wrong[:3])}" if wrong else "",
+            f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else ""]))
+        raise ValueError(f"engine.lora.adapter_path={lora.adapter_path} does not fit {critic_config.model_type} at "
+                         f"engine.model.path ({problem}): the adapter was trained on another base model")

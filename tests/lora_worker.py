@@ -1,0 +1,60 @@
+"""torchrun worker for test_lora: a LoRA critic on the FSDP engine, on 1 or 2 ranks.
+
+  python -m critic_adapters.tests.lora_worker MODEL_DIR WORKDIR BACKEND
+Every rank trains on its own rollout (conformance.worker.rollout(rank)). Rank 0 writes
+WORKDIR/result.pt: the values of the same engine without LoRA, the values right after building and after one update, the update's metrics, the
+full parameters before and after, the parameter counts; the adapter before the step goes to
+WORKDIR/adapter_before, after it to WORKDIR/adapter_after, the merged critic to WORKDIR/hf_export.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.registry import build_engine
+from critic_adapters.tests.conformance.worker import rollout
+
+LORA = LoRAConfig(rank=4, alpha=8.0)  # scale alpha / rank = 2: a wrong scale shows in the merged export
+LR = 1e-2
+
+
+def full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    model_dir, workdir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist = init_distributed()
+    batch = rollout(dist.rank)
+    plain = build_engine(backend, EngineConfig(model=ModelConfig(path=model_dir)), dist)  # the same critic, no LoRA
+    values_plain = plain.compute_values(batch.input_ids, batch.attention_mask)
+    plain.close()
+    config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR), lora=LORA)
+    engine = build_engine(backend, config, dist)
+    values_before = engine.compute_values(batch.input_ids, batch.attention_mask)
+    engine.export_adapter(os.path.join(workdir, "adapter_before"))
+    before = {n: full(p) for n, p in engine.model.named_parameters()}
+    metrics = engine.update(batch)
+    after = {n: full(p) for n, p in engine.model.named_parameters()}
+    values_after = engine.compute_values(batch.input_ids, batch.attention_mask)
+    engine.export_adapter(os.path.join(workdir, "adapter_after"))
+    engine.export_hf(os.path.join(workdir, "hf_export"))
+    result = {"values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
+              "before": before, "after": after, "counts": engine.parameter_counts(),
+              "optimized": sum(len(g["params"]) for g in engine.optimizer.param_groups),
+              "trainable": sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
+              "fingerprint": engine.fingerprint}
+    engine.close()
+    if dist.is_main:
+        torch.save(result, os.path.join(workdir, "result.pt"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
