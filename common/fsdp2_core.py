@@ -196,10 +196,20 @@ class FSDP2Engine(abc.ABC):
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def _model_state(self) -> dict:
+        """The model state a checkpoint holds: every parameter, or, when transforms froze some (LoRA,
+        freeze_*), only the trainable ones. Frozen weights are the ones the engine is built from
+        (engine.model.path, which the fingerprint pins), so they need not be saved again."""
+        state = get_model_state_dict(self.model)
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        if len(trainable) == len(list(self.model.parameters())):
+            return state
+        return {key: value for key, value in state.items() if key in trainable}
+
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
         """Write a complete checkpoint to `directory` (replacing one there only once the new one is whole)."""
         self._settle()
-        state = {"model": get_model_state_dict(self.model),
+        state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
         main = self.dp_rank == 0
         with staged_checkpoint(directory, is_main=main, group=self.dp_group) as staging:
@@ -215,16 +225,17 @@ class FSDP2Engine(abc.ABC):
         if meta.get("backend") == "megatron":
             raise ValueError(f"{directory} was written by the megatron backend (dist_checkpointing shards); resume "
                              f"it with backend=megatron, or start a new run from its hf_export")
-        state = {"model": get_model_state_dict(self.model),
+        state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
         dcp.load(state, checkpoint_id=directory, process_group=self.dp_group)
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         return load_trainer_state(directory, self)
 
     def checkpoint_bytes(self) -> int:
         """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
-        tensors = list(self.model.parameters())
+        params = list(self.model.parameters())
+        tensors = params if all(p.requires_grad for p in params) else [p for p in params if p.requires_grad]
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         local = sum(s.numel() * s.element_size() for s in shards)

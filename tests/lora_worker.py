@@ -4,7 +4,9 @@
 Every rank trains on its own rollout (conformance.worker.rollout(rank)). Rank 0 writes
 WORKDIR/result.pt: the values of the same engine without LoRA, the values right after building and after one update, the update's metrics, the
 full parameters before and after, the parameter counts; the adapter before the step goes to
-WORKDIR/adapter_before, after it to WORKDIR/adapter_after, the merged critic to WORKDIR/hf_export.
+WORKDIR/adapter_before, after it to WORKDIR/adapter_after, the merged critic to WORKDIR/hf_export,
+a checkpoint after it to WORKDIR/checkpoint (and the next update of the engine and of a second
+engine resumed from that checkpoint).
 """
 
 import os
@@ -45,11 +47,23 @@ def main():
     values_after = engine.compute_values(batch.input_ids, batch.attention_mask)
     engine.export_adapter(os.path.join(workdir, "adapter_after"))
     engine.export_hf(os.path.join(workdir, "hf_export"))
+    # Resume: a second engine loads the checkpoint; its next update and values equal the first's.
+    checkpoint = os.path.join(workdir, "checkpoint")
+    engine.save_checkpoint(checkpoint, {"step": 1})
+    checkpoint_bytes = engine.checkpoint_bytes()
+    next_metrics = engine.update(batch)
+    next_values = engine.compute_values(batch.input_ids, batch.attention_mask)
+    resumed = build_engine(backend, config, dist)
+    extra = resumed.load_checkpoint(checkpoint)
+    resumed_metrics = resumed.update(batch)
+    resumed_values = resumed.compute_values(batch.input_ids, batch.attention_mask)
+    resumed.close()
     result = {"values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
               "before": before, "after": after, "counts": engine.parameter_counts(),
               "optimized": sum(len(g["params"]) for g in engine.optimizer.param_groups),
               "trainable": sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
-              "fingerprint": engine.fingerprint}
+              "fingerprint": engine.fingerprint, "extra": extra, "checkpoint_bytes": checkpoint_bytes,
+              "next": (next_metrics, next_values), "resumed": (resumed_metrics, resumed_values)}
     engine.close()
     if dist.is_main:
         torch.save(result, os.path.join(workdir, "result.pt"))

@@ -131,6 +131,24 @@ def test_the_exports_load_cleanly_with_the_engines_values(run, model_dirs):
     assert torch.allclose(got, engine_values, atol=1e-5) and report.head == "loaded"
 
 
+def test_a_checkpoint_holds_only_what_trains_and_resumes_bit_identically(run):
+    _, work, result = run
+    assert result["extra"] == {"step": 1}
+    (next_metrics, next_values), (resumed_metrics, resumed_values) = result["next"], result["resumed"]
+    assert torch.equal(next_values, resumed_values)
+    for key in ("value_loss", "grad_norm", "explained_variance"):
+        assert next_metrics[key] == resumed_metrics[key], key
+    import torch.distributed.checkpoint as dcp
+
+    saved = set(dcp.FileSystemReader(str(work / "checkpoint")).read_metadata().state_dict_metadata)
+    model_keys = {key.removeprefix("model.") for key in saved if key.startswith("model.")}
+    assert model_keys == set(result["trainable"])  # no frozen base weight is saved again
+    full = sum(t.numel() * 4 for t in result["before"].values())
+    trained = sum(result["before"][name].numel() * 4 for name in result["trainable"])
+    written = result["checkpoint_bytes"] - 2**20  # checkpoint_bytes adds 1 MiB of slack
+    assert 3 * trained <= written < 3 * trained + 4096 and written < full  # the adapters, the head, their Adam moments
+
+
 def test_the_fingerprint_names_the_lora_settings(run):
     _, _, result = run
     assert result["fingerprint"]["transforms"] == ["lora(rank=4, alpha=8, targets=q_proj,k_proj,v_proj,o_proj,"
