@@ -168,8 +168,11 @@ def matmul_peak(repeats: int = 5, size: int = 2048) -> float:
     return 2 * size ** 3 / statistics.median(times)
 
 
-def build(workdir: str, sequences: int, other_backends: list[str]):
-    from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+def build(workdir: str, sequences: int, other_backends: list[str], lora_rank: int = 0):
+    import dataclasses
+
+    from critic_adapters.common.config import (BatchingConfig, EngineConfig, LoRAConfig, LossConfig, ModelConfig,
+                                               OptimConfig)
     from critic_adapters.common.distributed import init_distributed
     from critic_adapters.common.engine import build_engine
     from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
@@ -193,6 +196,9 @@ def build(workdir: str, sequences: int, other_backends: list[str]):
     engine = FSDPCriticEngine(engine_config, dist)
     # Other backends' engines, side by side with the FSDP one (same weights, batch and budget).
     others = {name: build_engine(name, engine_config, dist) for name in other_backends}
+    if lora_rank:  # a LoRA critic on the FSDP engine: the same weights, batch and budget
+        others[f"fsdp-lora{lora_rank}"] = FSDPCriticEngine(
+            dataclasses.replace(engine_config, lora=LoRAConfig(rank=lora_rank)), dist)
     rows = plan_fixed_size(sequences, ROWS_PER_MICRO_BATCH)
     by_length = sorted(range(sequences), key=lambda i: -int(batch.attention_mask[i].sum()))
     sorted_rows = [by_length[i:i + ROWS_PER_MICRO_BATCH] for i in range(0, sequences, ROWS_PER_MICRO_BATCH)]
@@ -215,11 +221,22 @@ def build(workdir: str, sequences: int, other_backends: list[str]):
     return variants, batch, critic, (engine, *others.values())
 
 
+def lora_vs_full(memory: dict, median: dict, rank: int) -> dict | None:
+    """The LoRA critic against the full-parameter FSDP engine, each as lora / full: the first step's
+    memory growth (the optimizer state is allocated then) and the median step time."""
+    if not rank:
+        return None
+    name = f"fsdp-lora{rank}-engine"
+    return {"memory": memory[name] / memory["engine"], "time": median[name] / median["engine"]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="also run a LoRA critic of this rank on the FSDP engine (0: none)")
     from critic_adapters.common.registry import BACKENDS
 
     others = ",".join(sorted(name for name in BACKENDS if name != "fsdp"))
@@ -232,7 +249,7 @@ def main(argv=None) -> int:
         os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
 
     with tempfile.TemporaryDirectory() as workdir:
-        variants, batch, critic, engines = build(workdir, args.sequences, other_backends)
+        variants, batch, critic, engines = build(workdir, args.sequences, other_backends, args.lora_rank)
         valid = int(batch.attention_mask.sum())
         padded = batch.attention_mask.numel()
         print(f"batch: {args.sequences} sequences, {valid} valid tokens of {padded} padded "
@@ -276,6 +293,7 @@ def main(argv=None) -> int:
         "other_engines_vs_fsdp": {name: {"update": rate[f"{name}-engine"] / rate["engine"],
                                          "values": rate[f"values:{name}-engine"] / rate["values:engine"]}
                                   for name in other_backends},
+        "lora_vs_full": lora_vs_full(memory, median, args.lora_rank),
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -285,6 +303,9 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=2)
     for name, ratio in result["other_engines_vs_fsdp"].items():
         print(f"{name} vs fsdp engine: {ratio['update']:.2f} (values pass: {ratio['values']:.2f})")
+    if result["lora_vs_full"]:
+        print(f"lora vs full: memory {result['lora_vs_full']['memory']:.2f}x, time {result['lora_vs_full']['time']:.2f}x "
+              f"(fsdp, rank {args.lora_rank})")
     print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "

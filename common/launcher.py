@@ -151,6 +151,12 @@ def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print)
     return config
 
 
+def _say(message: str) -> None:
+    # Flushed at once: the workers torchrun starts write to the same stdout, and a line still in
+    # this process's buffer would come out after all of theirs.
+    print(message, flush=True)
+
+
 def _say_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
@@ -168,7 +174,7 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
     # one line, once.
     try:
         config = _load_config(args, spec, world_size=world_size,
-                              say=print if rank0 and not under_torchrun else (lambda *a, **k: None))
+                              say=_say if rank0 and not under_torchrun else (lambda *a, **k: None))
     except (ValueError, OSError) as err:
         if rank0:
             _say_error(str(err))
