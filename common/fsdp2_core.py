@@ -51,7 +51,7 @@ from .distributed import DistContext, all_reduce, barrier
 from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ParallelMesh
 from .registry import check_engine_config
-from .transforms import engine_transforms, export_state_dict, transform_names
+from .transforms import engine_transforms, export_state_dict, trainable_parameters, transform_names
 from .update_step import StepStats, plan_step, step_micro_batches
 from .valuehead import save_critic
 from .valuehead.attention import flash_attention_available
@@ -234,19 +234,22 @@ class FSDP2Engine(abc.ABC):
 
     def checkpoint_bytes(self) -> int:
         """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
-        params = list(self.model.parameters())
-        tensors = params if all(p.requires_grad for p in params) else [p for p in params if p.requires_grad]
+        tensors = trainable_parameters(self.model)  # what _model_state saves
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         local = sum(s.numel() * s.element_size() for s in shards)
         (total,) = all_reduce([float(local)], group=self.dp_group)
         return int(total) + 2**20
 
+    def _full_state(self) -> dict:
+        """The full (unsharded) model state dict, on rank 0's CPU (collective)."""
+        self._settle()
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def export_hf(self, directory: str) -> None:
         """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
         weights; what transforms added is folded back or dropped: common.transforms)."""
-        self._settle()
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = self._full_state()
         if self.dp_rank == 0:
             plain = export_state_dict(full, engine_transforms(self.config))
             with self._export_config():
@@ -262,8 +265,7 @@ class FSDP2Engine(abc.ABC):
         from .lora import write_adapter
         from .valuehead.config import head_name
 
-        self._settle()
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = self._full_state()
         if self.dp_rank == 0:
             write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
         barrier(self.dp_group)

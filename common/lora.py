@@ -32,6 +32,16 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+def _is_lora_key(name: str) -> bool:
+    """A LoRA weight of the injected critic (`<module>.lora_A.default.weight`, ...)."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def _peft_key(name: str) -> str:
+    """The key peft saves a trainable parameter of the injected critic under."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
 def peft_lora_config(lora: LoRAConfig, head: str | None, base_path: str | None = None):
     """peft's LoraConfig for engine.lora. `head`: the modules_to_save of a saved adapter; None when
     injecting (the critic's head stays the plain module, trained in place, not peft's wrapper copy)."""
@@ -59,8 +69,7 @@ def _inject(model: torch.nn.Module, lora: LoRAConfig) -> None:
     head = head_name(model.config)
     inject_adapter_in_model(peft_lora_config(lora, None), model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
-        param.requires_grad_(f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
-                             or name.startswith(f"{head}."))
+        param.requires_grad_(_is_lora_key(name) or name.startswith(f"{head}."))
     if lora.adapter_path is not None and not _is_meta(model):
         load_adapter_into(model, lora.adapter_path)
 
@@ -81,7 +90,7 @@ def merged_state(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, 
     scale = lora.alpha / lora.rank
     out = {}
     for key, value in state.items():
-        if f".lora_A.{ADAPTER}." in key or f".lora_B.{ADAPTER}." in key:
+        if _is_lora_key(key):
             continue
         if ".base_layer." in key:
             module, _, leaf = key.partition(".base_layer.")
@@ -98,10 +107,8 @@ def adapter_state(state: dict[str, torch.Tensor], head: str) -> dict[str, torch.
     """peft's saved keys for the LoRA weights and the head, from the transformed critic's state dict."""
     out = {}
     for key, value in state.items():
-        if f".lora_A.{ADAPTER}." in key or f".lora_B.{ADAPTER}." in key:
-            out[PEFT_PREFIX + key.replace(f".{ADAPTER}.", ".")] = value.detach().clone().contiguous()
-        elif key.startswith(f"{head}."):
-            out[PEFT_PREFIX + key] = value.detach().clone().contiguous()
+        if _is_lora_key(key) or key.startswith(f"{head}."):
+            out[_peft_key(key)] = value.detach().clone().contiguous()
     return out
 
 
@@ -118,10 +125,9 @@ def write_adapter(directory: str, state: dict[str, torch.Tensor], lora: LoRAConf
     return directory
 
 
-def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, its tensors) of a peft adapter directory; ValueError for anything else."""
-    from safetensors.torch import load_file
-
+def read_adapter_config(path: str) -> dict:
+    """adapter_config.json of a peft LoRA adapter directory (which must hold its weights too);
+    ValueError for anything else."""
     config_file, weights = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)
     if not (os.path.isfile(config_file) and os.path.isfile(weights)):
         raise ValueError(f"engine.lora.adapter_path={path} is not a peft adapter directory (it needs {ADAPTER_CONFIG} "
@@ -130,12 +136,37 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         config = json.load(f)
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{config_file}: peft_type={config.get('peft_type')!r}; only LoRA adapters load here")
-    return config, load_file(weights)
+    return config
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, its tensors) of a peft LoRA adapter directory."""
+    from safetensors.torch import load_file
+
+    config = read_adapter_config(path)
+    return config, load_file(os.path.join(path, ADAPTER_WEIGHTS))
+
+
+def _check_fits(model: torch.nn.Module, shapes: dict[str, tuple], path: str) -> None:
+    """The adapter's tensor `shapes` (peft keys) are exactly what the injected critic `model` trains;
+    ValueError naming the keys and shapes that differ (an adapter for another base model)."""
+    params = dict(model.named_parameters())
+    expected = {_peft_key(name): tuple(p.shape) for name, p in params.items() if p.requires_grad}
+    wrong = [f"{key} {shapes[key]} (this critic: {shape})" for key, shape in expected.items()
+             if key in shapes and shapes[key] != shape]
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if wrong or missing or unexpected:
+        problem = "; ".join(filter(None, [
+            f"shapes differ: {', '.join(wrong[:3])}" if wrong else "",
+            f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else ""]))
+        family = getattr(model.config, "model_type", "this critic")
+        raise ValueError(f"engine.lora.adapter_path={path} does not fit {family} at engine.model.path ({problem}): "
+                         f"the adapter was trained on another base model or with other target modules")
 
 
 def check_adapter(path: str, lora: LoRAConfig) -> dict:
     """The adapter's config, after checking it matches engine.lora (rank, alpha, targets); before any model."""
-    config, _ = read_adapter(path)
+    config = read_adapter_config(path)
     theirs = {"rank": config.get("r"), "alpha": config.get("lora_alpha"),
               "target_modules": sorted(config.get("target_modules") or [])}
     ours = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}
@@ -151,21 +182,11 @@ def load_adapter_into(model: torch.nn.Module, path: str) -> None:
     """Copy a peft adapter's LoRA weights and head into a critic the LoRA transform rewrote; a key
     or shape that does not fit (an adapter for another base) is a ValueError naming it."""
     _, tensors = read_adapter(path)
-    params = dict(model.named_parameters())
-    expected = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): name for name in params
-                if params[name].requires_grad}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"engine.lora.adapter_path={path} does not fit this critic: missing {missing[:4]}, unexpected "
-                         f"{unexpected[:4]}{' ...' if len(missing) > 4 or len(unexpected) > 4 else ''}; it was trained "
-                         f"on another base model or with other target modules")
+    _check_fits(model, {key: tuple(t.shape) for key, t in tensors.items()}, path)
     with torch.no_grad():
-        for key, name in expected.items():
-            if tuple(tensors[key].shape) != tuple(params[name].shape):
-                raise ValueError(f"engine.lora.adapter_path={path}: {key} has shape {tuple(tensors[key].shape)}, this "
-                                 f"critic's is {tuple(params[name].shape)}; the adapter is for another base model")
-            params[name].copy_(tensors[key].to(params[name].dtype))
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.copy_(tensors[_peft_key(name)].to(param.dtype))
 
 
 def merge_adapter(critic: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -221,17 +242,5 @@ def check_lora(critic_config, lora: LoRAConfig) -> None:
     if lora.adapter_path is None:
         return
     check_adapter(lora.adapter_path, lora)
-    params = dict(model.named_parameters())
-    expected = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): tuple(params[name].shape) for name in params
-                if params[name].requires_grad}
-    with safe_open(os.path.join(lora.adapter_path, ADAPTER_WEIGHTS), "pt") as f:
-        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    wrong = [f"{key} {shapes[key]} (this critic: {shape})" for key, shape in expected.items()
-             if key in shapes and shapes[key] != shape]
-    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-    if wrong or missing or unexpected:
-        problem = "; ".join(filter(None, [
-            f"shapes differ: {', '.join(wrong[:3])}" if wrong else "",
-            f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else ""]))
-        raise ValueError(f"engine.lora.adapter_path={lora.adapter_path} does not fit {critic_config.model_type} at "
-                         f"engine.model.path ({problem}): the adapter was trained on another base model")
+    with safe_open(os.path.join(lora.adapter_path, ADAPTER_WEIGHTS), "pt") as f:  # headers only
+        _check_fits(model, {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}, lora.adapter_path)

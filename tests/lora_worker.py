@@ -2,8 +2,9 @@
 
   python -m critic_adapters.tests.lora_worker MODEL_DIR WORKDIR BACKEND
 Every rank trains on its own rollout (conformance.worker.rollout(rank)). Rank 0 writes
-WORKDIR/result.pt: the values of the same engine without LoRA, the values right after building and after one update, the update's metrics, the
-full parameters before and after, the parameter counts; the adapter before the step goes to
+WORKDIR/result.pt (transform_worker.finish): the values of the same engine without LoRA, right after
+building and after one update, the update's metrics, the full parameters before and after, the
+parameter counts; the adapter before the step goes to
 WORKDIR/adapter_before, after it to WORKDIR/adapter_after, the merged critic to WORKDIR/hf_export,
 a checkpoint after it to WORKDIR/checkpoint (and the next update of the engine and of a second
 engine resumed from that checkpoint).
@@ -13,20 +14,14 @@ import os
 import sys
 import warnings
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.distributed import init_distributed
 from critic_adapters.common.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
+from critic_adapters.tests.transform_worker import finish, parameters
 
 LORA = LoRAConfig(rank=4, alpha=8.0)  # scale alpha / rank = 2: a wrong scale shows in the merged export
 LR = 1e-2
-
-
-def full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def main():
@@ -41,9 +36,9 @@ def main():
     engine = build_engine(backend, config, dist)
     values_before = engine.compute_values(batch.input_ids, batch.attention_mask)
     engine.export_adapter(os.path.join(workdir, "adapter_before"))
-    before = {n: full(p) for n, p in engine.model.named_parameters()}
+    before = parameters(engine)
     metrics = engine.update(batch)
-    after = {n: full(p) for n, p in engine.model.named_parameters()}
+    after = parameters(engine)
     values_after = engine.compute_values(batch.input_ids, batch.attention_mask)
     engine.export_adapter(os.path.join(workdir, "adapter_after"))
     engine.export_hf(os.path.join(workdir, "hf_export"))
@@ -58,16 +53,11 @@ def main():
     resumed_metrics = resumed.update(batch)
     resumed_values = resumed.compute_values(batch.input_ids, batch.attention_mask)
     resumed.close()
-    result = {"values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
-              "before": before, "after": after, "counts": engine.parameter_counts(),
-              "optimized": sum(len(g["params"]) for g in engine.optimizer.param_groups),
-              "trainable": sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
-              "fingerprint": engine.fingerprint, "extra": extra, "checkpoint_bytes": checkpoint_bytes,
-              "next": (next_metrics, next_values), "resumed": (resumed_metrics, resumed_values)}
-    engine.close()
-    if dist.is_main:
-        torch.save(result, os.path.join(workdir, "result.pt"))
-    shutdown()
+    finish(engine, dist, workdir, {
+        "values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
+        "before": before, "after": after, "counts": engine.parameter_counts(), "extra": extra,
+        "checkpoint_bytes": checkpoint_bytes, "next": (next_metrics, next_values),
+        "resumed": (resumed_metrics, resumed_values)})
 
 
 if __name__ == "__main__":

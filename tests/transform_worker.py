@@ -31,14 +31,25 @@ def main():
     dist = init_distributed()
     config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-2), transforms=names)
     engine = build_engine(sys.argv[4] if len(sys.argv) > 4 else "fsdp", config, dist)
-    before = {n: full(p) for n, p in engine.model.named_parameters()}
+    before = parameters(engine)
     engine.update(rollout(dist.rank))
-    after = {n: full(p) for n, p in engine.model.named_parameters()}
+    after = parameters(engine)
     values = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     engine.export_hf(os.path.join(workdir, "hf_export"))
-    result = {"optimized": sum(len(g["params"]) for g in engine.optimizer.param_groups),
-              "trainable": sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
-              "before": before, "after": after, "fingerprint": engine.fingerprint, "values": values}
+    finish(engine, dist, workdir, {"before": before, "after": after, "values": values})
+
+
+def parameters(engine) -> dict:
+    """Full copies of every parameter (gathered from the shards), by name."""
+    return {n: full(p) for n, p in engine.model.named_parameters()}
+
+
+def finish(engine, dist, workdir: str, result: dict) -> None:
+    """Add what the optimizer steps, the trainable names and the fingerprint; close the engine; rank 0
+    writes WORKDIR/result.pt; leave the process group."""
+    result.update(optimized=sum(len(g["params"]) for g in engine.optimizer.param_groups),
+                  trainable=sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
+                  fingerprint=engine.fingerprint)
     engine.close()
     if dist.is_main:
         torch.save(result, os.path.join(workdir, "result.pt"))
