@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -151,6 +152,9 @@ def staged_checkpoint(directory: str, *, is_main: bool, group=None):
                     raise
                 raise KeyboardInterrupt from err
             error = err  # reported to every rank below, then re-raised here
+            # Said now, on this rank: a rank that failed inside a collective leaves the others in it.
+            print(f"saving checkpoint {directory} failed on this rank: {type(err).__name__}: {err}",
+                  file=sys.stderr, flush=True)
     (failed_anywhere,) = all_reduce([float(error is not None)], op="max", group=group)
     if failed_anywhere:
         if is_main and staging is not None:

@@ -103,6 +103,22 @@ def merged_state(state: dict[str, torch.Tensor], lora: LoRAConfig) -> dict[str, 
     return out
 
 
+def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain critic's state dict with the base weights only (adapters dropped, not folded in)."""
+    return {key.replace(".base_layer.", "."): value for key, value in state.items() if not _is_lora_key(key)}
+
+
+def injected_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (plain base keys plus LoRA keys) under the injected critic's names: each adapted
+    module's own tensors as `<module>.base_layer.*` (the inverse of base_state)."""
+    adapted = {key.partition(f".lora_A.{ADAPTER}.")[0] for key in state if f".lora_A.{ADAPTER}." in key}
+    out = {}
+    for key, value in state.items():
+        module, _, leaf = key.rpartition(".")
+        out[f"{module}.base_layer.{leaf}" if module in adapted and not _is_lora_key(key) else key] = value
+    return out
+
+
 def adapter_state(state: dict[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
     """peft's saved keys for the LoRA weights and the head, from the transformed critic's state dict."""
     out = {}

@@ -86,7 +86,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
         parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel"}),
-        knobs=frozenset({"mixed_precision", "gradient_checkpointing"}),
+        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "lora.rank"}),
         launcher=".backends.megatron.train",
         default_config="backends/megatron/configs/default.yaml",
         check_layout=".backends.megatron.config:check_layout",
@@ -94,7 +94,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "veomni": BackendSpec(
         factory=".backends.veomni.engine:VeOmniCriticEngine",
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
-                         "transforms"}),
+                         "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",
         default_config="backends/veomni/configs/default.yaml",
     ),

@@ -1,6 +1,8 @@
 """torchrun worker for test_lora: a LoRA critic on the FSDP engine, on 1 or 2 ranks.
 
-  python -m critic_adapters.tests.lora_worker MODEL_DIR WORKDIR BACKEND
+  python -m critic_adapters.tests.lora_worker MODEL_DIR WORKDIR BACKEND [TENSOR[sp] [ADAPTER_DIR]]
+TENSOR: engine.parallel.tensor (megatron), with an "sp" suffix sequence parallel too; ADAPTER_DIR: engine.lora.adapter_path (a peft adapter to
+start from).
 Every rank trains on its own rollout (conformance.worker.rollout(rank)). Rank 0 writes
 WORKDIR/result.pt (transform_worker.finish): the values of the same engine without LoRA, right after
 building and after one update, the update's metrics, the full parameters before and after, the
@@ -14,25 +16,38 @@ import os
 import sys
 import warnings
 
-from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig
+import dataclasses
+
+from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.distributed import init_distributed
 from critic_adapters.common.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
-from critic_adapters.tests.transform_worker import finish, parameters
+from critic_adapters.tests.transform_worker import finish
+from critic_adapters.tests.transform_worker import parameters as module_parameters
 
 LORA = LoRAConfig(rank=4, alpha=8.0)  # scale alpha / rank = 2: a wrong scale shows in the merged export
 LR = 1e-2
 
 
+def parameters(engine) -> dict:
+    """Full copies of the HF critic's parameters by name (megatron: its HF state, on rank 0)."""
+    if hasattr(engine, "hf_state_dict"):
+        return engine.hf_state_dict()
+    return module_parameters(engine)
+
+
 def main():
     warnings.filterwarnings("ignore")
     model_dir, workdir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
+    layout = sys.argv[4] if len(sys.argv) > 4 else "1"
+    parallel = ParallelConfig(tensor=int(layout.removesuffix("sp")), sequence_parallel=layout.endswith("sp"))
+    lora = dataclasses.replace(LORA, adapter_path=sys.argv[5] if len(sys.argv) > 5 else None)
     dist = init_distributed()
-    batch = rollout(dist.rank)
-    plain = build_engine(backend, EngineConfig(model=ModelConfig(path=model_dir)), dist)  # the same critic, no LoRA
-    values_plain = plain.compute_values(batch.input_ids, batch.attention_mask)
+    batch = rollout(dist.rank // parallel.tensor)
+    plain = build_engine(backend, EngineConfig(model=ModelConfig(path=model_dir), parallel=parallel), dist)
+    values_plain = plain.compute_values(batch.input_ids, batch.attention_mask)  # the same critic, no LoRA
     plain.close()
-    config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR), lora=LORA)
+    config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR), lora=lora, parallel=parallel)
     engine = build_engine(backend, config, dist)
     values_before = engine.compute_values(batch.input_ids, batch.attention_mask)
     engine.export_adapter(os.path.join(workdir, "adapter_before"))

@@ -25,7 +25,14 @@ from ...common.valuehead import save_critic
 
 
 def _sharded_state(ddp_model, optimizer, *, is_loading: bool) -> dict:
+    """Model and optimizer as dist_checkpointing tensors; when some parameters are frozen (LoRA), the
+    model part holds only the trainable ones (the frozen base comes from engine.model.path, pinned by
+    the fingerprint)."""
     model_state = ddp_model.module.sharded_state_dict()
+    params = dict(ddp_model.module.named_parameters())
+    if not all(p.requires_grad for p in params.values()):
+        model_state = {key: value for key, value in model_state.items()
+                       if key in params and params[key].requires_grad}
     return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
 
 

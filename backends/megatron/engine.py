@@ -23,18 +23,22 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from . import checkpoint, compat, convert, parallelize
+    from . import lora as megatron_lora
     from .config import check_megatron_config, transformer_config
     from .inputs import model_inputs
     from .value_model import build_value_model, te_available
 from ...common.batching import MicroBatch
 from ...common.checkpoints import critic_fingerprint
 from ...common.config import EngineConfig
-from ...common.distributed import DistContext, all_reduce
+from ...common.distributed import DistContext, all_reduce, barrier
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.mesh import ParallelMesh
 from ...common.registry import check_engine_config
 from ...common.update_step import StepStats, plan_step, step_micro_batches
+from ...common.lora import base_state, injected_names, write_adapter
+from ...common.transforms import apply_transforms, engine_transforms, export_state_dict, transform_names
 from ...common.valuehead import load_critic
+from ...common.valuehead.config import head_name
 from ...common.valuehead.load import plan_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,7 +66,18 @@ class MegatronCriticEngine:
             head_init_seed=model_cfg.head_init_seed)
         self.hf_config = critic.config
         self.critic_class = type(critic)
-        self.fingerprint = critic_fingerprint(critic)
+        # LoRA (the only transform this backend takes: engine.transforms is refused by key) is applied
+        # to the HF critic first, with peft's init from the engine's seed (the same on every rank),
+        # adapter_path loaded, then converted into megatron's adapters (lora.py).
+        self.transforms = engine_transforms(config)
+        if self.transforms:
+            megatron_lora.check_megatron_targets(config.lora)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                apply_transforms(critic, self.transforms)
+        self.fingerprint = critic_fingerprint(critic, transform_names(self.transforms))
+        self._counts = (sum(p.numel() for p in critic.parameters() if p.requires_grad),
+                        sum(p.numel() for p in critic.parameters()))
 
         parallelize.init_model_parallel(config.parallel, config.seed)
         try:
@@ -91,7 +106,12 @@ class MegatronCriticEngine:
         per_stage = self.hf_config.num_hidden_layers // config.parallel.pipeline
         self.layout = convert.Layout(self.tp_rank, tp, self.pp_rank * per_stage, per_stage,
                                      self.first_stage, self.last_stage, te_names=use_te)
-        convert.load_into(model, convert.hf_to_mcore(critic.state_dict(), self.hf_config, self.traits, self.layout))
+        hf_state = critic.state_dict()
+        mcore_state = convert.hf_to_mcore(base_state(hf_state), self.hf_config, self.traits, self.layout)
+        if config.lora.rank:
+            megatron_lora.inject(model, config.lora, self.hf_config, tp, config.parallel.sequence_parallel)
+            mcore_state.update(megatron_lora.hf_to_megatron(hf_state, config.lora, self.layout))
+        convert.load_into(model, mcore_state)
         model.to(dist.device)
         self.model = parallelize.wrap_ddp(model, self.tf_config)
         bf16 = self.tf_config.bf16
@@ -189,8 +209,11 @@ class MegatronCriticEngine:
 
     def checkpoint_bytes(self) -> int:
         """About how many bytes save_checkpoint writes (all ranks): fp32 weights and Adam's two
-        moments of one data-parallel replica, plus 1 MiB."""
-        local = 3 * sum(p.numel() * 4 for p in self.model.parameters()) if self.dp_rank == 0 else 0
+        moments of one data-parallel replica (the trainable ones only, with LoRA), plus 1 MiB."""
+        # A tensor-parallel shard counts on its rank, a replicated tensor once (on tensor rank 0).
+        params = [p for p in self.model.parameters() if (p.requires_grad or not self.transforms)
+                  and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
+        local = 3 * sum(p.numel() * 4 for p in params) if self.dp_rank == 0 else 0
         (total,) = all_reduce([float(local)])
         return int(total) + 2**20
 
@@ -201,7 +224,9 @@ class MegatronCriticEngine:
         return checkpoint.load_checkpoint(directory, self)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full HF critic state dict on global rank 0 (None elsewhere), gathered from every shard."""
+        """The full HF critic state dict on global rank 0 (None elsewhere), gathered from every shard;
+        with LoRA, the HF critic's with peft's layers (`<module>.base_layer.weight`,
+        `<module>.lora_A.default.weight`, ...), which common.lora maps to a plain critic or an adapter."""
         own = None
         if self.dp_rank == 0:  # data-parallel replicas hold the same weights
             own = ((self.pp_rank, self.tp_rank), self.layout,
@@ -211,13 +236,40 @@ class MegatronCriticEngine:
         torch_dist.gather_object(own, gathered if self.dist.is_main else None, dst=0)
         if not self.dist.is_main:
             return None
-        shards = {key: state for key, _, state in filter(None, gathered)}
+        base = {key: {k: v for k, v in state.items() if not megatron_lora.is_adapter_key(k)}
+                for key, _, state in filter(None, gathered)}
         layouts = {key: layout for key, layout, _ in filter(None, gathered)}
-        return convert.mcore_to_hf(shards, layouts, self.hf_config, self.traits)
+        hf_state = convert.mcore_to_hf(base, layouts, self.hf_config, self.traits)
+        if not self.config.lora.rank:
+            return hf_state
+        for pp_rank in sorted({pp for pp, _ in layouts}):
+            stage = [state for (pp, _tp), _, state in sorted(filter(None, gathered), key=lambda g: g[0])
+                     if pp == pp_rank]
+            hf_state.update(megatron_lora.megatron_to_hf(stage, self.config.lora, layouts[(pp_rank, 0)]))
+        return injected_names(hf_state)
 
     def export_hf(self, directory: str) -> None:
-        """Write the critic as a plain HF *ForTokenClassification (fp32) with common.valuehead.save_critic."""
-        checkpoint.export_hf(directory, self.hf_state_dict(), self.critic_class, self.hf_config)
+        """Write the critic as a plain HF *ForTokenClassification (fp32) with common.valuehead.save_critic
+        (LoRA folded in: W + alpha / r * B @ A)."""
+        state = self.hf_state_dict()
+        if state is not None and self.transforms:
+            state = export_state_dict(state, self.transforms)
+        checkpoint.export_hf(directory, state, self.critic_class, self.hf_config)
+
+    def export_adapter(self, directory: str) -> None:
+        """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py);
+        engine.lora.rank must be > 0."""
+        lora = self.config.lora
+        if not lora.rank:
+            raise ValueError("export_adapter: this critic has no LoRA adapter (engine.lora.rank=0); use export_hf")
+        state = self.hf_state_dict()
+        if state is not None:
+            write_adapter(directory, state, lora, head_name(self.hf_config), base_path=self.config.model.path)
+        barrier()
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the HF critic (layout-independent: no vocab padding)."""
+        return self._counts
 
     def close(self) -> None:
         """Release the model, and megatron's process-global state once the last of our megatron

@@ -27,7 +27,7 @@ from .quiet import veomni_output
 from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
 from ...common.mesh import ParallelMesh, mesh_sizes
-from ...common.transforms import apply_transforms
+from ...common.transforms import apply_transforms, engine_transforms
 from ...common.valuehead.load import plan_load
 
 
@@ -85,14 +85,20 @@ class VeOmniCriticEngine(FSDP2Engine):
         """Rank 0 writes the checkpoint in the TokenCls layout; VeOmni builds the critic from it (on
         meta and sharded, rank 0 reading and broadcasting, with 2+ ranks), then the dispatch checks."""
         model_cfg, fsdp = self.config.model, self.dp_size > 1
+        transforms = engine_transforms(self.config)
         load_kwargs = dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
                            fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed)
+        # Sharded (2+ ranks), VeOmni fills every rank's meta tree by name from what rank 0 writes: a
+        # transform that adds or renames parameters (LoRA) must be applied before writing. With one
+        # rank the critic is built from the plain weights and transformed in place.
+        rewrites_keys = fsdp and any(not isinstance(t, str) and t.to_plain is not None for t in transforms)
         weights_dir = report = error = None
         if self.dist.is_main:
             weights_dir = tempfile.mkdtemp(prefix="critic_adapters_veomni_")
             try:
-                report = value_model.write_token_classification_weights(model_cfg.path, weights_dir,
-                                                                         load_kwargs=load_kwargs)
+                report = value_model.write_token_classification_weights(
+                    model_cfg.path, weights_dir, load_kwargs=load_kwargs,
+                    transform=(lambda critic: apply_transforms(critic, transforms)) if rewrites_keys else None)
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
                 error = err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}")
         report, error, weights_dir = broadcast_object((report, error, weights_dir))
@@ -106,7 +112,12 @@ class VeOmniCriticEngine(FSDP2Engine):
                                                  attn_implementation=attention_for(self.config, padded="sdpa"),
                                                  init_device=init_device)
                 value_model.check_class(model, self.hf_config)
-                model = apply_transforms(model, self.config.transforms)
+                model = apply_transforms(model, transforms)
+                if rewrites_keys:
+                    mismatch = value_model.check_weights_cover(model, weights_dir) if self.dist.is_main else None
+                    mismatch = broadcast_object(mismatch)
+                    if mismatch:
+                        raise ValueError(mismatch)
                 model = parallelize.parallelize(model, self.config, fsdp=fsdp, weights_path=weights_dir)
             value_model.check_materialized(model)
             with quiet_fsdp_views():

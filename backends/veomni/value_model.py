@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -54,13 +55,45 @@ def check_family_registered(config) -> None:
         f"reads it process-wide, so the engine does not), or use backend=fsdp for this family")
 
 
-def write_token_classification_weights(path: str, out_dir: str, *, load_kwargs: dict) -> LoadReport:
+def write_token_classification_weights(path: str, out_dir: str, *, load_kwargs: dict,
+                                       transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+                                       ) -> LoadReport:
     """Any checkpoint load_critic reads -> `out_dir` in the HF *ForTokenClassification layout (fp32),
-    which VeOmni's loader reads by parameter name. Returns load_critic's report."""
+    which VeOmni's loader reads by parameter name. Returns load_critic's report.
+
+    `transform`: the critic is rewritten by it first and written under the rewritten names (LoRA's
+    `q_proj.base_layer.weight`, `q_proj.lora_A.default.weight`, ...): VeOmni fills a sharded meta
+    tree by name, and it initialises any parameter the file does not name at random, silently."""
     critic, report = load_critic(path, torch_dtype=torch.float32, **load_kwargs)
-    save_critic(critic, out_dir, overwrite=True)
+    if transform is None:
+        save_critic(critic, out_dir, overwrite=True)
+    else:
+        from safetensors.torch import save_file
+
+        transform(critic)
+        os.makedirs(out_dir, exist_ok=True)
+        state = {key: value.detach().contiguous() for key, value in critic.state_dict().items()}
+        save_file(state, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     del critic
     return report
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def check_weights_cover(model: torch.nn.Module, weights_dir: str) -> str | None:
+    """None when the weights file in `weights_dir` names exactly the (meta) critic's state, else what
+    differs: VeOmni would initialise a parameter the file lacks at random and only log one it does not expect."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(weights_dir, WEIGHTS_FILE), "pt") as f:  # headers only
+        written = set(f.keys())
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - written), sorted(written - expected)
+    if not missing and not unexpected:
+        return None
+    return (f"the critic VeOmni builds does not match the weights written for it (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}): a transform built a different module tree on this rank than on rank 0")
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,
