@@ -196,9 +196,10 @@ def build(workdir: str, sequences: int, other_backends: list[str], lora_rank: in
     engine = FSDPCriticEngine(engine_config, dist)
     # Other backends' engines, side by side with the FSDP one (same weights, batch and budget).
     others = {name: build_engine(name, engine_config, dist) for name in other_backends}
-    if lora_rank:  # a LoRA critic on the FSDP engine: the same weights, batch and budget
-        others[f"fsdp-lora{lora_rank}"] = FSDPCriticEngine(
-            dataclasses.replace(engine_config, lora=LoRAConfig(rank=lora_rank)), dist)
+    if lora_rank:  # a LoRA critic on every engine run: the same weights, batch and budget
+        lora_config = dataclasses.replace(engine_config, lora=LoRAConfig(rank=lora_rank))
+        for name in ["fsdp", *other_backends]:
+            others[f"{name}-lora{lora_rank}"] = build_engine(name, lora_config, dist)
     rows = plan_fixed_size(sequences, ROWS_PER_MICRO_BATCH)
     by_length = sorted(range(sequences), key=lambda i: -int(batch.attention_mask[i].sum()))
     sorted_rows = [by_length[i:i + ROWS_PER_MICRO_BATCH] for i in range(0, sequences, ROWS_PER_MICRO_BATCH)]
@@ -218,16 +219,68 @@ def build(workdir: str, sequences: int, other_backends: list[str], lora_rank: in
         variants[f"{name}-engine"] = functools.partial(other.update, batch)
         variants[f"values:{name}-engine"] = functools.partial(other.compute_values, batch.input_ids,
                                                               batch.attention_mask)
-    return variants, batch, critic, (engine, *others.values())
+    return variants, batch, critic, {"fsdp": engine, **others}
 
 
-def lora_vs_full(memory: dict, median: dict, rank: int) -> dict | None:
-    """The LoRA critic against the full-parameter FSDP engine, each as lora / full: the first step's
-    memory growth (the optimizer state is allocated then) and the median step time."""
-    if not rank:
-        return None
-    name = f"fsdp-lora{rank}-engine"
-    return {"memory": memory[name] / memory["engine"], "time": median[name] / median["engine"]}
+def _tensors_of(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_of(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_of(value)
+
+
+def _optimizer_tensors(optimizer):
+    """The state tensors of an optimizer, through megatron's wrappers (.optimizer, .chained_optimizers)."""
+    for inner in getattr(optimizer, "chained_optimizers", None) or [getattr(optimizer, "optimizer", None)]:
+        if inner is not None and inner is not optimizer:
+            yield from _optimizer_tensors(inner)
+    yield from _tensors_of(dict(getattr(optimizer, "state", {}) or {}))
+
+
+def training_state_bytes(engine) -> int:
+    """What an engine keeps between steps, read off its tensors: parameters, gradients (megatron's
+    main_grad buffers) and optimizer state, each storage once. Peak RSS of engines sharing one process
+    says little (activations dominate it and the allocator keeps freed pages); this is what LoRA saves."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+
+    def add(tensor):
+        nonlocal total
+        if tensor is None:
+            return
+        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for param in engine.model.parameters():
+        add(param)
+        add(param.grad)
+        add(getattr(param, "main_grad", None))
+    for tensor in _optimizer_tensors(engine.optimizer):
+        add(tensor)
+    return total
+
+
+def _step_name(engine: str) -> str:
+    """The variant that times an engine's update ("engine" is the FSDP one's)."""
+    return "engine" if engine == "fsdp" else f"{engine}-engine"
+
+
+def lora_vs_full(state: dict, median: dict, rank: int) -> dict:
+    """Per backend, its LoRA critic against its full-parameter one, as lora / full: training state
+    (training_state_bytes) and median step time."""
+    suffix = f"-lora{rank}"
+    return {name.removesuffix(suffix): {
+        "memory": state[name] / state[name.removesuffix(suffix)],
+        "time": median[_step_name(name)] / median[_step_name(name.removesuffix(suffix))]}
+        for name in state if rank and name.endswith(suffix)}
 
 
 def main(argv=None) -> int:
@@ -270,7 +323,8 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - start)
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
                 f"{n} {t[-1]:.2f}s" for n, t in times.items()), flush=True)
-        for engine in engines:
+        state = {name: training_state_bytes(engine) for name, engine in engines.items()}
+        for engine in engines.values():
             engine.close()
 
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -293,7 +347,8 @@ def main(argv=None) -> int:
         "other_engines_vs_fsdp": {name: {"update": rate[f"{name}-engine"] / rate["engine"],
                                          "values": rate[f"values:{name}-engine"] / rate["values:engine"]}
                                   for name in other_backends},
-        "lora_vs_full": lora_vs_full(memory, median, args.lora_rank),
+        "lora_vs_full": lora_vs_full(state, median, args.lora_rank),
+        "training_state_bytes": state,
         "peak_fraction": flops / peak,
         "median_step_s": median, "valid_tokens_per_s": rate, "peak_memory_bytes": memory,
         "matmul_peak_flops": peak, "engine_model_flops": flops, "valid_tokens": valid, "padded_tokens": padded,
@@ -304,8 +359,13 @@ def main(argv=None) -> int:
     for name, ratio in result["other_engines_vs_fsdp"].items():
         print(f"{name} vs fsdp engine: {ratio['update']:.2f} (values pass: {ratio['values']:.2f})")
     if result["lora_vs_full"]:
-        print(f"lora vs full: memory {result['lora_vs_full']['memory']:.2f}x, time {result['lora_vs_full']['time']:.2f}x "
-              f"(fsdp, rank {args.lora_rank})")
+        print("training state (parameters, gradients, optimizer): " + ", ".join(
+            f"{name} {bytes_ / 2**20:.1f} MiB" for name, bytes_ in state.items()))
+        for name, ratio in result["lora_vs_full"].items():
+            if name != "fsdp":
+                print(f"lora vs full ({name}): memory {ratio['memory']:.2f}x, time {ratio['time']:.2f}x")
+        fsdp = result["lora_vs_full"]["fsdp"]
+        print(f"lora vs full: memory {fsdp['memory']:.2f}x, time {fsdp['time']:.2f}x (fsdp, rank {args.lora_rank})")
     print(f"values speedup vs trl-valuehead: {result['values_speedup_vs_trl']:.2f}, vs padded-tokencls: "
           f"{result['values_speedup_vs_padded']:.2f}, vs sorted-tokencls: {result['values_speedup_vs_sorted']:.2f}")
     print(f"speedup vs trl-valuehead: {result['speedup_vs_trl']:.2f}, vs padded-tokencls: "

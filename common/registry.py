@@ -195,12 +195,12 @@ def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
     if spec.check_layout is None and not engine.lora.rank:
         return
     critic_config = model_critic_config(engine.model)
-    if spec.check_layout is not None:
-        _resolve(spec.check_layout)(critic_config.get_text_config(), engine, world_size)
-    if engine.lora.rank:
+    if engine.lora.rank:  # what the family lacks first, then what the backend cannot do
         from .lora import check_lora
 
         check_lora(critic_config, engine.lora)
+    if spec.check_layout is not None:
+        _resolve(spec.check_layout)(critic_config.get_text_config(), engine, world_size)
 
 
 def build_engine(backend: str, config: EngineConfig, dist, **kwargs):

@@ -84,7 +84,8 @@ def engine_transforms(config) -> list:
     return items
 
 
-def _resolve(items) -> list[ModelTransform]:
+def resolve_transforms(items) -> list[ModelTransform]:
+    """The ModelTransforms a list of registered names and ModelTransforms stands for."""
     check_transforms([item for item in items if isinstance(item, str)])
     return [TRANSFORMS[item] if isinstance(item, str) else item for item in items]
 
@@ -96,7 +97,7 @@ def transform_names(items) -> list[str]:
 
 def apply_transforms(model: torch.nn.Module, items) -> torch.nn.Module:
     """`model` rewritten by each transform in order; ValueError when it leaves nothing to train."""
-    transforms = _resolve(items)
+    transforms = resolve_transforms(items)
     for transform in transforms:
         transform.apply(model)
     if transforms and not any(p.requires_grad for p in model.parameters()):
@@ -106,7 +107,7 @@ def apply_transforms(model: torch.nn.Module, items) -> torch.nn.Module:
 
 def export_state_dict(state: dict[str, torch.Tensor], items) -> dict[str, torch.Tensor]:
     """The plain critic's state dict from the transformed critic's (last transform first)."""
-    for transform in reversed(_resolve(items)):
+    for transform in reversed(resolve_transforms(items)):
         if transform.to_plain is not None:
             state = transform.to_plain(state)
     return state

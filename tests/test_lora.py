@@ -209,8 +209,12 @@ def test_bad_lora_settings_are_one_line_before_anything_is_built(model_dirs, tmp
     with pytest.raises(ValueError, match=r"engine.lora.rank=-1 must be >= 0"):
         load_train_config([], ["engine.lora.rank=-1"])
     engine = EngineConfig(model=ModelConfig(path=model_dirs[1]), lora=LoRAConfig(rank=4, target_modules=["c_attn"]))
-    with pytest.raises(ValueError, match=r"engine.lora.target_modules names \['c_attn'\], which qwen2 does not have"):
-        check_layout("fsdp", engine, 1)
+    for backend in ("fsdp", "megatron", "veomni"):
+        with pytest.raises(ValueError, match=r"engine.lora.target_modules names \['c_attn'\], which qwen2 does not have"):
+            check_layout(backend, engine, 1)
+    engine = EngineConfig(model=ModelConfig(path=model_dirs[1]), lora=LoRAConfig(rank=4, target_modules=["score"]))
+    with pytest.raises(ValueError, match=r"names \['score'\]: the megatron backend adapts only q_proj, "):
+        check_layout("megatron", engine, 1)
     # An adapter trained on another base (other shapes) is refused before any process group exists.
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig

@@ -17,7 +17,7 @@ from critic_adapters.tests.conformance.worker import rollout
 RUNS = {  # name -> (backend, ranks, transforms)
     "fsdp-1-freeze": ("fsdp", 1, "freeze_backbone"),
     "fsdp-2-freeze-scaled": ("fsdp", 2, "freeze_backbone,scaled_head"),
-    "veomni-2-freeze": ("veomni", 2, "freeze_backbone"),
+    "veomni-2-freeze-scaled": ("veomni", 2, "freeze_backbone,scaled_head"),  # VeOmni loads what it adds by name
 }
 
 

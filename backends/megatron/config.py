@@ -95,6 +95,19 @@ def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: 
     """The BackendSpec hook (common/registry.py): what check_megatron_config refuses, before any
     process starts (the launcher's and dry run's check)."""
     check_megatron_config(hf_config, config.parallel, world_size)
+    if config.lora.rank:
+        check_megatron_targets(config.lora.target_modules)
+
+
+# The HF projections the megatron backend's LoRA adapts (lora.py: one adapter per part of a megatron linear).
+MEGATRON_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_megatron_targets(target_modules) -> None:
+    other = [target for target in target_modules if target not in MEGATRON_LORA_TARGETS]
+    if other:
+        raise ValueError(f"engine.lora.target_modules names {other}: the megatron backend adapts only "
+                         f"{', '.join(MEGATRON_LORA_TARGETS)}; use backend=fsdp for other modules")
 
 
 def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu: bool):

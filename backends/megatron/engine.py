@@ -24,7 +24,7 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
 
     from . import checkpoint, compat, convert, parallelize
     from . import lora as megatron_lora
-    from .config import check_megatron_config, transformer_config
+    from .config import check_megatron_config, check_megatron_targets, transformer_config
     from .inputs import model_inputs
     from .value_model import build_value_model, te_available
 from ...common.batching import MicroBatch
@@ -71,7 +71,7 @@ class MegatronCriticEngine:
         # adapter_path loaded, then converted into megatron's adapters (lora.py).
         self.transforms = engine_transforms(config)
         if self.transforms:
-            megatron_lora.check_megatron_targets(config.lora)
+            check_megatron_targets(config.lora.target_modules)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(config.seed)
                 apply_transforms(critic, self.transforms)

@@ -38,7 +38,6 @@ from megatron.core.tensor_parallel.mappings import (
 from ...common.config import LoRAConfig
 from ...common.lora import ADAPTER
 
-MEGATRON_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,13 +61,6 @@ ADAPTED = (
 
 def _leaf(part: str) -> str:
     return part.rsplit(".", 1)[-1]
-
-
-def check_megatron_targets(lora: LoRAConfig) -> None:
-    other = [target for target in lora.target_modules if target not in MEGATRON_TARGETS]
-    if other:
-        raise ValueError(f"engine.lora.target_modules names {other}: the megatron backend adapts only "
-                         f"{', '.join(MEGATRON_TARGETS)}; use backend=fsdp for other modules")
 
 
 class LinearLoRA(torch.nn.Module):

@@ -27,7 +27,7 @@ from .quiet import veomni_output
 from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
 from ...common.mesh import ParallelMesh, mesh_sizes
-from ...common.transforms import apply_transforms, engine_transforms
+from ...common.transforms import apply_transforms, engine_transforms, resolve_transforms
 from ...common.valuehead.load import plan_load
 
 
@@ -91,7 +91,7 @@ class VeOmniCriticEngine(FSDP2Engine):
         # Sharded (2+ ranks), VeOmni fills every rank's meta tree by name from what rank 0 writes: a
         # transform that adds or renames parameters (LoRA) must be applied before writing. With one
         # rank the critic is built from the plain weights and transformed in place.
-        rewrites_keys = fsdp and any(not isinstance(t, str) and t.to_plain is not None for t in transforms)
+        rewrites_keys = fsdp and any(t.to_plain is not None for t in resolve_transforms(transforms))
         weights_dir = report = error = None
         if self.dist.is_main:
             weights_dir = tempfile.mkdtemp(prefix="critic_adapters_veomni_")
