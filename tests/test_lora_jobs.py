@@ -3,15 +3,12 @@ gloo processes: the default job learns, and a run killed after a checkpoint resu
 weights (its checkpoints hold only the adapters, the head and their optimizer state)."""
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
 
 from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
-from critic_adapters.common.tests.torchrun import run_launcher, worker_env
+from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after
 
 BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
 LORA = ["engine.lora.rank=16"]
@@ -44,18 +41,7 @@ def test_a_killed_lora_run_resumes_to_identical_weights(backend, tmp_path):
     result = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={whole}", *LORA, *SHORT)
     assert result.returncode == 0, result.stderr[-4000:]
 
-    # The same run, its whole process group SIGKILLed once step 8's checkpoint is reported.
-    process = subprocess.Popen([sys.executable, "-m", _module(backend), "--nproc", "2", f"trainer.run_dir={killed}",
-                                *LORA, *SHORT], env=dict(worker_env(), PYTHONUNBUFFERED="1"),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if line.startswith("checkpoint saved: ") and line.rstrip().endswith("/step_000008"):
-            os.killpg(process.pid, signal.SIGKILL)
-            break
-    process.wait(timeout=120)
-    assert not any(line.startswith("final explained_variance") for line in seen), "run finished before the kill"
+    run_launcher_killed_after(_module(backend), 8, "--nproc", "2", f"trainer.run_dir={killed}", *LORA, *SHORT)
 
     resumed = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *LORA, *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]

@@ -37,3 +37,21 @@ def run_launcher(launcher: str, *args: str, timeout: int = 600) -> subprocess.Co
     """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1)."""
     return subprocess.run([sys.executable, "-m", launcher, *args], env=worker_env(), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_launcher_killed_after(launcher: str, step: int, *args: str) -> list[str]:
+    """python -m LAUNCHER ARGS, its whole process group SIGKILLed once the checkpoint of `step` is
+    reported; returns the lines it printed (asserting it had not finished)."""
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", launcher, *args], env=dict(worker_env(), PYTHONUNBUFFERED="1"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith("checkpoint saved: ") and line.rstrip().endswith(f"/step_{step:06d}"):
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+    process.wait(timeout=120)
+    assert not any(line.startswith("final explained_variance") for line in seen), "run finished before the kill"
+    return seen

@@ -3,15 +3,13 @@ bit-identical weights; a 2-rank checkpoint resumes on 1 rank."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 from safetensors.torch import load_file
 
-from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher
+from critic_adapters.backends.fsdp.tests.launch import run_launcher
 from critic_adapters.common.metrics import read_metrics
 from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
+from critic_adapters.common.tests.torchrun import run_launcher_killed_after
 
 # A shorter job than the default, for the resume tests: 512 rollouts, 2 epochs of 15 steps.
 SHORT = ["data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=4",
@@ -45,19 +43,9 @@ def test_killed_run_resumes_to_identical_weights(tmp_path):
     result = run_launcher("--nproc", "2", f"trainer.run_dir={whole}", *SHORT)
     assert result.returncode == 0, result.stderr[-4000:]
 
-    # Start the same run and SIGKILL the whole process group once step 8's checkpoint is reported.
-    env = dict(launcher_env(), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([sys.executable, "-m", "critic_adapters.backends.fsdp.train", "--nproc", "2",
-                                f"trainer.run_dir={killed}", *SHORT], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if line.startswith("checkpoint saved: ") and line.rstrip().endswith("/step_000008"):
-            os.killpg(process.pid, signal.SIGKILL)
-            break
-    process.wait(timeout=120)
-    assert not any(line.startswith("final explained_variance") for line in seen), "run finished before the kill"
+    # The same run, its whole process group SIGKILLed once step 8's checkpoint is reported.
+    run_launcher_killed_after("critic_adapters.backends.fsdp.train", 8, "--nproc", "2", f"trainer.run_dir={killed}",
+                              *SHORT)
     assert not (killed / "hf_export").exists()
 
     resumed = run_launcher("--nproc", "2", f"trainer.run_dir={killed}", *SHORT, "--resume")

@@ -2,7 +2,6 @@
 learns; a killed run resumes to bit-identical weights; a TP2 checkpoint continues at TP1."""
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ from safetensors.torch import load_file
 from critic_adapters.backends.megatron.tests.launch import worker_env
 from critic_adapters.common.metrics import read_metrics
 from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
+from critic_adapters.common.tests.torchrun import run_launcher_killed_after
 
 MODULE = "critic_adapters.backends.megatron.train"
 # A shorter job than the default: 512 rollouts, 2 epochs of 15 steps, a checkpoint every 4.
@@ -50,17 +50,7 @@ def _weights(run_dir):
 
 
 def _killed_after_step_8(run_dir) -> None:
-    process = subprocess.Popen([sys.executable, "-m", MODULE, "--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT],
-                               env=dict(worker_env(), PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if line.startswith("checkpoint saved: ") and line.rstrip().endswith("/step_000008"):
-            os.killpg(process.pid, signal.SIGKILL)
-            break
-    process.wait(timeout=120)
-    assert not any(line.startswith("final explained_variance") for line in seen), "run finished before the kill"
+    run_launcher_killed_after(MODULE, 8, "--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT)
 
 
 def test_killed_run_resumes_identically_and_at_another_tensor_degree(tmp_path):
