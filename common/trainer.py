@@ -166,8 +166,15 @@ def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
     return RolloutBatch(part.input_ids, part.attention_mask, part.response_mask, part.old_values, part.returns)
 
 
-def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[str, float]:
+def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_builder=None,
+                 world_size: int | None = None) -> dict[str, float]:
+    """The training job. SPMD under torchrun: every rank runs this with its own `dist` and engine.
+    Driven from one process instead (integrations/ray: a RayCriticGroup), `dist` is that process's
+    world of one and `engine_builder(engine_config)` returns the engine it drives (the group, which
+    looks like one data-parallel rank holding every row); `world_size` is then the group's size,
+    for the layout checks."""
     trainer = config.trainer
+    world_size = world_size or dist.world_size
     run_dir = os.path.abspath(trainer.run_dir)
     ckpt_root = os.path.join(run_dir, "checkpoints")
     main = dist.is_main
@@ -177,7 +184,7 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
         say = tqdm.write  # prints above the progress bar instead of through it
     say = say if main else (lambda *a, **k: None)
     check_backend(config)
-    check_layout(config.backend, config.engine, dist.world_size)
+    check_layout(config.backend, config.engine, world_size)
 
     # Read-only checks first: a refused run changes nothing in run_dir.
     latest = checkpoints.find_latest(ckpt_root)
@@ -221,7 +228,7 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None) -> dict[st
         model_cfg = dataclasses.replace(config.engine.model, path=model_path)
         engine_cfg = dataclasses.replace(config.engine, model=model_cfg)
 
-        engine = build_engine(config.backend, engine_cfg, dist)
+        engine = engine_builder(engine_cfg) if engine_builder else build_engine(config.backend, engine_cfg, dist)
         try:
             return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch)
         finally:
@@ -268,7 +275,8 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     say(f"run dir: {run_dir} (metrics.jsonl{', tensorboard/' if trainer.tensorboard else ''}, checkpoints/"
         f"{', hf_export/' if trainer.export_hf else ''}{', training.png' if trainer.plot else ''})")
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
-        f"{trainer.epochs} epochs, mini-batch {mini} sequences over {engine.dp_size} data-parallel rank(s)")
+        f"{trainer.epochs} epochs, mini-batch {mini} sequences over "
+        f"{getattr(engine, 'data_parallel_ranks', engine.dp_size)} data-parallel rank(s)")
 
     position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if resuming:

@@ -7,14 +7,13 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
+from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
+                                                   run_pytest)
 from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after
 
 BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
 LORA = ["engine.lora.rank=16"]
-# A shorter job than the default: 512 rollouts, 2 epochs of 15 steps.
-SHORT = ["data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=4",
-         "trainer.keep_last=3", "trainer.tensorboard=false", "trainer.plot=false", "trainer.progress=false"]
+SHORT = SHORT_JOB
 
 
 def _module(backend: str) -> str:
@@ -46,10 +45,7 @@ def test_a_killed_lora_run_resumes_to_identical_weights(backend, tmp_path):
     resumed = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *LORA, *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout
-    a, b = _weights(whole), _weights(killed)
-    assert a.keys() == b.keys()
-    different = [k for k in a if not (a[k] == b[k]).all()]
-    assert not different, f"resumed weights differ from the uninterrupted run in {different}"
+    assert_same_exported_weights(whole, killed)
     assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent setup of everything critic-adapters needs on a fresh Debian machine:
 #   1. system packages: Debian's offline Bazel (bazel-bootstrap + bazel-rules-java), python3-venv;
-#   2. .venv/ with torch (first, so nothing pulls a CUDA build), the pinned packages, and this
-#      checkout itself as the package `critic_adapters` (editable: pip install -e .);
+#   2. .venv/ with torch (first, so nothing pulls a CUDA build), the pinned packages (ray for the
+#      Ray integration among them), and this checkout itself as the package `critic_adapters`
+#      (editable: pip install -e .);
 #   3. the side trl versions for the trl matrix test, in .overlays/ (never in the venv).
 # Re-running does nothing when nothing changed (a stamp records what .venv was built from).
 #
@@ -35,7 +36,7 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $("$PYTHON" --version)"
   "$PYTHON" -m venv .venv
 fi
-stamp=$( (echo "$TORCH_SPEC"; .venv/bin/python --version; pwd; cat requirements/base.txt requirements/veomni.txt requirements/constraints.txt pyproject.toml) | sha256sum | cut -d' ' -f1)
+stamp=$( (echo "$TORCH_SPEC"; .venv/bin/python --version; pwd; cat requirements/base.txt requirements/veomni.txt requirements/ray.txt requirements/constraints.txt pyproject.toml) | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$stamp" ]; then
   log "installing $TORCH_SPEC"
   # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options (--index-url ...)
@@ -46,13 +47,16 @@ if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$stamp" ]; then
   log "installing veomni without its declared dependencies (requirements/veomni.txt says why)"
   .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements/veomni.txt -c requirements/constraints.txt \
     2>&1 | grep -v "^WARNING: Location" || true
+  log "installing ray for the Ray integration (requirements/ray.txt)"
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements/ray.txt -c requirements/constraints.txt \
+    2>&1 | grep -v "^WARNING: Location" || true
   log "installing this checkout as the package critic_adapters (editable)"
   # setuptools comes with torch's requirements; no build isolation, so nothing more is downloaded.
   .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
     2>&1 | grep -v "^WARNING: Location" || true
   (cd / && "$OLDPWD/.venv/bin/python" -c "import critic_adapters.common.valuehead") \
     || { log "critic_adapters does not import from the venv: the editable install above failed"; exit 1; }
-  .venv/bin/python -c "import torch, transformers, trl, safetensors, omegaconf, pyarrow, runfiles, psutil, veomni" \
+  .venv/bin/python -c "import torch, transformers, trl, safetensors, omegaconf, pyarrow, runfiles, psutil, veomni, ray" \
     || { log "the venv is incomplete: an install above failed"; exit 1; }
   echo "$stamp" > .venv/.setup-stamp
 else

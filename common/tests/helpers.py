@@ -118,3 +118,20 @@ def tree_snapshot(path) -> dict:
             stat = os.stat(full)
             out[os.path.relpath(full, path)] = (stat.st_size if name in files else 0, stat.st_mtime_ns)
     return out
+
+
+# A shorter job than the default, for the resume tests: 512 rollouts, 2 epochs of 15 steps.
+SHORT_JOB = ("data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=4",
+             "trainer.keep_last=3", "trainer.tensorboard=false", "trainer.plot=false", "trainer.progress=false")
+
+
+def assert_same_exported_weights(run_dir, other_run_dir) -> None:
+    """The two runs' hf_export/model.safetensors hold the same tensors, bit for bit."""
+    import os
+
+    from safetensors.torch import load_file
+
+    a, b = (load_file(os.path.join(d, "hf_export", "model.safetensors")) for d in (run_dir, other_run_dir))
+    assert a.keys() == b.keys()
+    different = [k for k in a if not (a[k] == b[k]).all()]
+    assert not different, f"resumed weights differ from the uninterrupted run in {different}"

@@ -33,18 +33,18 @@ def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
     return result
 
 
-def run_launcher(launcher: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1)."""
-    return subprocess.run([sys.executable, "-m", launcher, *args], env=worker_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", launcher, *args], env=env or worker_env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
-def run_launcher_killed_after(launcher: str, step: int, *args: str) -> list[str]:
+def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | None = None) -> list[str]:
     """python -m LAUNCHER ARGS, its whole process group SIGKILLed once the checkpoint of `step` is
     reported; returns the lines it printed (asserting it had not finished)."""
     import signal
 
-    process = subprocess.Popen([sys.executable, "-m", launcher, *args], env=dict(worker_env(), PYTHONUNBUFFERED="1"),
+    process = subprocess.Popen([sys.executable, "-m", launcher, *args], env=dict(env or worker_env(), PYTHONUNBUFFERED="1"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
     for line in process.stdout:

@@ -9,13 +9,12 @@ from safetensors.torch import load_file
 
 from critic_adapters.backends.megatron.tests.launch import worker_env
 from critic_adapters.common.metrics import read_metrics
-from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
+from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
+                                                   run_pytest)
 from critic_adapters.common.tests.torchrun import run_launcher_killed_after
 
 MODULE = "critic_adapters.backends.megatron.train"
-# A shorter job than the default: 512 rollouts, 2 epochs of 15 steps, a checkpoint every 4.
-SHORT = ["data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=4",
-         "trainer.keep_last=3", "trainer.tensorboard=false", "trainer.plot=false", "trainer.progress=false"]
+SHORT = SHORT_JOB
 
 
 def launch(*args, timeout=900):
@@ -62,9 +61,7 @@ def test_killed_run_resumes_identically_and_at_another_tensor_degree(tmp_path):
     _killed_after_step_8(same)
     resumed = launch("--nproc", "2", f"trainer.run_dir={same}", *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    a, b = _weights(whole), _weights(same)
-    different = [k for k in a if not (a[k] == b[k]).all()]
-    assert not different, f"resumed weights differ from the uninterrupted run in {different}"
+    assert_same_exported_weights(whole, same)
 
     # The same checkpoint, continued by one process at TP1: the loss curve goes on where it was.
     other = tmp_path / "tp1"

@@ -1,0 +1,269 @@
+"""RayCriticGroup: a critic engine of any registered backend and parallel layout, one rank per Ray
+actor, driven from one driver process (what OpenRLHF, NeMo-RL, slime, ROLL and verl do with their
+critics).
+
+  placement group (PACK / SPREAD, one bundle per worker) -> one CriticWorker actor per bundle ->
+  rank 0's address + a free port -> every actor joins torch.distributed there (gloo on CPU, NCCL +
+  gloo on GPU: common.distributed) and builds the engine -> the driver calls the engine API on all
+  actors at once.
+
+Rows: every actor reads the whole batch (from the object store: a tensor is put there once, an
+object reference from a stack's own actors is passed as it is) and takes its data-parallel share
+(rows dp_rank::dp_size, as the torchrun trainer does; TP/PP/SP peers take the same rows). Values are
+gathered back in row order from one actor per data-parallel rank; metrics are rank 0's (the engines
+reduce them over the data-parallel ranks).
+
+Faults: every call waits on all actors together. An actor that dies (killed, OOM, node lost) makes
+the call raise CriticWorkerError naming it and Ray's reason, after every actor of the group is
+killed (the others would wait for it in a collective forever); a new group then loads the last
+checkpoint. An error the engine raises (bad input: NaN returns, ids outside the vocabulary,
+mismatched shapes) is raised again on the driver with the engine's message; the engines check
+before touching the weights, so the group stays usable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from .worker import CriticWorker
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class CriticWorkerError(RuntimeError):
+    """A worker of the group died; the group is stopped."""
+
+
+def _resources(resources_per_worker: dict | None, use_gpu: bool) -> dict:
+    resources = dict(resources_per_worker or ({"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}))
+    if resources.get("CPU", 0) <= 0 and not resources.get("GPU"):
+        raise ValueError(f"resources_per_worker={resources_per_worker}: each worker needs a CPU or a GPU")
+    return resources
+
+
+class RayCriticGroup:
+    def __init__(self, backend: str, engine_config, num_workers: int | None = None, *,
+                 resources_per_worker: dict | None = None, placement_strategy: str = "PACK",
+                 startup_timeout_s: float = 300.0, error_grace_s: float = 60.0):
+        """Start `num_workers` actors (default: what engine_config.parallel needs) and build the engine
+        on them. Ray must be initialised (ray.init), or a local cluster is started
+        (integrations.ray.cluster.ensure_ray). Everything that can be refused is refused before any
+        actor starts: the backend, the layout for this worker count, the model and LoRA settings."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from ...common.registry import check_engine_config, check_layout
+        from .cluster import ensure_ray, started_locally
+
+        if placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy={placement_strategy!r}; use one of {', '.join(PLACEMENT_STRATEGIES)}")
+        num_workers = num_workers or engine_config.parallel.model_parallel_size
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers}: a group needs at least one worker")
+        check_engine_config(backend, engine_config)
+        check_layout(backend, engine_config, num_workers)
+        use_gpu = torch.cuda.is_available()
+        resources = _resources(resources_per_worker, use_gpu)
+        # Paths as the driver means them: an actor's working directory is not the driver's.
+        model = dataclasses.replace(engine_config.model, path=_absolute(engine_config.model.path))
+        engine_config = dataclasses.replace(engine_config, model=model)
+        ensure_ray()
+        self.backend, self.config, self.num_workers = backend, engine_config, num_workers
+        self.error_grace_s = error_grace_s
+        self._remove_placement_group = remove_placement_group
+        self.actors, self._closed = [], False
+        self.placement_group = placement_group([dict(resources) for _ in range(num_workers)],
+                                               strategy=placement_strategy)
+        try:
+            ready, _ = ray.wait([self.placement_group.ready()], timeout=startup_timeout_s)
+            if not ready:
+                raise RuntimeError(f"Ray could not place {num_workers} critic workers with {resources} each "
+                                   f"({placement_strategy}) within {startup_timeout_s:.0f} s; the cluster has "
+                                   f"{ray.available_resources()} free. Lower num_workers or resources_per_worker, "
+                                   f"or add nodes")
+            self._start_actors(resources, use_gpu, loopback=started_locally())
+        except BaseException:
+            self._stop()
+            raise
+
+    # -- start ---------------------------------------------------------------------------------------
+    def _start_actors(self, resources: dict, use_gpu: bool, *, loopback: bool) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = ray.remote(CriticWorker)
+        threads = max(1, int(resources.get("CPU", 1)))
+        for rank in range(self.num_workers):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+            self.actors.append(remote.options(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+                                              resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
+                                              scheduling_strategy=strategy, max_restarts=0, max_task_retries=0)
+                               .remote(rank, self.num_workers, threads))
+        places = self._call_all("where", loopback)
+        self.pids = [place["pid"] for place in places]
+        master = places[0]
+        self._info = self._gather([actor.build.remote(self.backend, self.config, master["host"], master["port"])
+                                   for actor in self.actors], "build")
+        self.load_report = self._info[0]["load_report"]
+        self._counts = self._info[0]["counts"]
+
+    # -- calls on every actor ------------------------------------------------------------------------
+    def _call_all(self, method: str, *args):
+        self._check_open()
+        return self._gather([getattr(actor, method).remote(*args) for actor in self.actors], method)
+
+    def _describe(self, rank: int) -> str:
+        pid = self.pids[rank] if getattr(self, "pids", None) else "?"
+        return f"critic worker {rank} of {self.num_workers} (actor {self.actors[rank]._actor_id.hex()[:12]}, pid {pid})"
+
+    def _gather(self, refs: list, what: str) -> list:
+        """Every actor's result, in rank order; see the module docstring for how failures end."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results, errors, pending = {}, {}, list(refs)
+        deadline = None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - _now())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:  # an engine error on some workers, and the others still inside a collective
+                first = min(errors)
+                self._stop()
+                raise CriticWorkerError(
+                    f"{self._describe(first)} failed in {what}: {errors[first]}; workers "
+                    f"{sorted(rank_of[r] for r in pending)} were still running {self.error_grace_s:.0f} s "
+                    f"later (waiting for it in a collective), so the group is stopped. Start a new group and "
+                    f"load_checkpoint to continue") from errors[first]
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError as err:
+                    self._stop()
+                    raise CriticWorkerError(
+                        f"{self._describe(rank)} died during {what}: {_reason(err)}. The group is stopped (all its "
+                        f"workers killed); start a new group and load_checkpoint to continue") from None
+                except RayTaskError as err:
+                    errors[rank] = err.cause if err.cause is not None else err
+                    if deadline is None:
+                        deadline = _now() + self.error_grace_s
+        if errors:  # every worker returned: the engines refused together, the group is usable
+            raise errors[min(errors)]
+        return [results[rank] for rank in range(len(refs))]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this RayCriticGroup is closed (or was stopped by a worker failure); start a new one")
+
+    # -- the engine API, on the driver ---------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        """The trainer's view: the group is one data-parallel rank holding every row."""
+        return 0
+
+    dp_size = 1
+    dp_group = None
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """The engines' data-parallel size (the workers over tensor x pipeline x ... peers)."""
+        return self._info[0]["dp_size"]
+
+    def compute_values(self, input_ids, attention_mask) -> torch.Tensor:
+        """float32 [B, T] values of every row, in row order (tensors or Ray object references)."""
+        input_ids, attention_mask = _by_reference(input_ids), _by_reference(attention_mask)
+        shares = self._call_all("compute_values", input_ids, attention_mask)
+        by_dp = {}
+        for info, share in zip(self._info, shares):  # one actor per data-parallel rank
+            by_dp.setdefault(info["dp_rank"], share)
+        rows = sum(len(index) for index, _ in by_dp.values())
+        width = next(values.shape[1] for _, values in by_dp.values())
+        out = torch.zeros(rows, width, dtype=torch.float32)
+        for index, values in by_dp.values():
+            out[index] = values
+        return out
+
+    def update(self, batch) -> dict[str, float]:
+        """One optimizer step over the whole mini-batch (a RolloutBatch or an object reference to one);
+        the metrics of common.update_step.METRICS, reduced over the data-parallel ranks."""
+        return self._call_all("update", _by_reference(batch))[0]
+
+    def checkpoint_bytes(self) -> int:
+        return self._call_all("checkpoint_bytes")[0]
+
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
+        """The engine's checkpoint (every worker writes its part; the directory must be one every worker sees)."""
+        self._call_all("save_checkpoint", _absolute(directory), extra_state or {})
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return self._call_all("load_checkpoint", _absolute(directory))[0]
+
+    def export_hf(self, directory: str) -> None:
+        self._call_all("export_hf", _absolute(directory))
+
+    def export_adapter(self, directory: str) -> None:
+        self._call_all("export_adapter", _absolute(directory))
+
+    def parameter_counts(self) -> tuple[int, int]:
+        if self._counts is None:
+            raise AttributeError(f"the {self.backend} engine reports no parameter counts")
+        return self._counts
+
+    def close(self) -> None:
+        """Close every engine, then end the actors and the placement group; idempotent."""
+        if self._closed:
+            return
+        try:
+            self._call_all("close")
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        """Kill every actor and remove the placement group (no collective: used after a failure too)."""
+        import ray
+
+        self._closed = True
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if getattr(self, "placement_group", None) is not None:
+            try:
+                self._remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+            self.placement_group = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _reason(err) -> str:
+    text = str(err).strip().splitlines()
+    return " ".join(line.strip() for line in text[:3]) if text else type(err).__name__
+
+
+def _absolute(path: str) -> str:
+    return path if path.startswith("embedded:") else os.path.abspath(path)
+
+
+def _by_reference(obj):
+    """An object reference as it is (the stack's own, read by every actor from the object store), or
+    `obj` put there once."""
+    import ray
+
+    return obj if isinstance(obj, ray.ObjectRef) else ray.put(obj)

@@ -1,0 +1,192 @@
+"""RayCriticGroup on a local Ray cluster of this machine (2 actors, CPU, gloo): the same values as
+an in-process engine, the same update as the 2-rank torchrun engine, checkpoints that a new group
+continues bit-identically, megatron at TP 2 across the actors, and faults (a killed actor, NaN
+returns) that end in a clear error on the driver, never a hang."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.engine import RolloutBatch
+from critic_adapters.common.tests.helpers import FIELDS, run_pytest, save_rollout_batch
+from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.testdata import save_tiny_causal_lm
+
+LENGTHS = [12, 7, 10, 5, 9]  # 5 rows over 2 data-parallel workers: uneven shares (3 and 2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local cluster for this module; token authentication off in this test's own environment only."""
+    import ray
+
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    from critic_adapters.integrations.ray.cluster import ensure_ray, shutdown_ray
+
+    ensure_ray(num_cpus=2)
+    yield ray
+    shutdown_ray()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray_models")
+    return {family: save_tiny_causal_lm(family, str(root / family)) for family in ("qwen2", "llama")}
+
+
+@pytest.fixture(scope="module")
+def batch_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ray_batch") / "batch.pt")
+    save_rollout_batch(path, LENGTHS)
+    return path
+
+
+def engine_config(model_dir: str, **parallel) -> EngineConfig:
+    # The settings of tests/update_worker.py (the torchrun reference).
+    return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, grad_clip=1.0),
+                        loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=48),
+                        parallel=ParallelConfig(**parallel))
+
+
+def rollout_batch(batch_file: str) -> RolloutBatch:
+    data = torch.load(batch_file)
+    return RolloutBatch(*(data[key] for key in FIELDS))
+
+
+def in_process_values(backend: str, config: EngineConfig, batch: RolloutBatch) -> torch.Tensor:
+    from critic_adapters.common.distributed import init_distributed
+    from critic_adapters.common.registry import build_engine
+
+    engine = build_engine(backend, config, init_distributed())
+    try:
+        return engine.compute_values(batch.input_ids, batch.attention_mask)
+    finally:
+        engine.close()
+
+
+def torchrun_update(backend: str, model_dir: str, batch_file: str, out, **spec) -> dict:
+    import json
+
+    run_torchrun(2, "critic_adapters.tests.update_worker", backend, str(out), json.dumps(spec), model_dir, batch_file,
+                 env=worker_env(PYTHONWARNINGS="ignore"))
+    return torch.load(out)[0]
+
+
+def gone(pids, deadline_s: float = 60.0) -> bool:
+    """Every pid has exited (polled: a killed process takes a moment to be reaped)."""
+    import psutil
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_values_and_one_update_equal_the_engines(ray_cluster, models, batch_file, family, tmp_path):
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    batch, config = rollout_batch(batch_file), engine_config(models[family])
+    expected = in_process_values("fsdp", config, batch)
+    reference = torchrun_update("fsdp", models[family], batch_file, tmp_path / "metrics.pt")
+    with RayCriticGroup("fsdp", config, num_workers=2) as group:
+        assert len(group.actors) == 2 and group.data_parallel_ranks == 2
+        values = group.compute_values(batch.input_ids, batch.attention_mask)  # 3 rows on worker 0, 2 on worker 1
+        assert values.dtype == torch.float32 and values.shape == batch.input_ids.shape
+        assert torch.allclose(values, expected, atol=1e-6, rtol=0), (values - expected).abs().max()
+        # Rollouts by reference: an object a stack's generation actors put in the store.
+        metrics = group.update(ray_cluster.put(batch))
+    assert metrics["value_loss"] == pytest.approx(reference["value_loss"], abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    assert metrics["valid_tokens"] == reference["valid_tokens"]  # rank 0's share, as the torchrun job logs it
+
+
+def test_a_new_group_continues_from_a_checkpoint_bit_identically(ray_cluster, models, batch_file, tmp_path):
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    batch, config = rollout_batch(batch_file), engine_config(models["qwen2"])
+    with RayCriticGroup("fsdp", config, num_workers=2) as group:
+        group.update(batch)
+        group.save_checkpoint(str(tmp_path / "ckpt"), extra_state={"step": 1})
+        values = group.compute_values(batch.input_ids, batch.attention_mask)
+        after = group.update(batch)
+        group.export_hf(str(tmp_path / "hf"))
+    with RayCriticGroup("fsdp", config, num_workers=2) as group:
+        assert group.load_checkpoint(str(tmp_path / "ckpt")) == {"step": 1}
+        assert torch.equal(group.compute_values(batch.input_ids, batch.attention_mask), values)
+        resumed = group.update(batch)
+    for key in ("value_loss", "grad_norm", "explained_variance", "lr"):
+        assert resumed[key] == after[key], key
+    from transformers import AutoModelForTokenClassification
+
+    exported = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "hf"))
+    assert type(exported).__name__ == "Qwen2ForTokenClassification"
+
+
+def test_megatron_at_tensor_parallel_two_across_the_actors(ray_cluster, models, batch_file, tmp_path):
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    batch = rollout_batch(batch_file)
+    config = engine_config(models["qwen2"], tensor=2)
+    reference = torchrun_update("megatron", models["qwen2"], batch_file, tmp_path / "metrics.pt", tensor=2)
+    expected = in_process_values("fsdp", engine_config(models["qwen2"]), batch)
+    with RayCriticGroup("megatron", config, num_workers=2) as group:
+        assert group.data_parallel_ranks == 1  # the two actors are tensor-parallel peers: the same rows
+        values = group.compute_values(batch.input_ids, batch.attention_mask)
+        metrics = group.update(batch)
+    real = batch.attention_mask.bool()
+    assert torch.allclose(values[real], expected[real], atol=1e-5), (values[real] - expected[real]).abs().max()
+    assert metrics["value_loss"] == pytest.approx(reference["value_loss"], abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+
+
+def test_bad_input_raises_the_engines_message_and_the_group_stays_usable(ray_cluster, models, batch_file):
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    batch, config = rollout_batch(batch_file), engine_config(models["qwen2"])
+    returns = batch.returns.clone()
+    returns[0, 5] = float("nan")
+    with RayCriticGroup("fsdp", config, num_workers=2) as group:
+        before = group.compute_values(batch.input_ids, batch.attention_mask)
+        with pytest.raises(ValueError, match=r"returns has 1 non-finite \(NaN/inf\) entries on response tokens"):
+            group.update(RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask, batch.old_values,
+                                      returns))
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, \d+\) for this model"):
+            group.compute_values(batch.input_ids.clamp(min=0) + 5000, batch.attention_mask)
+        assert torch.equal(group.compute_values(batch.input_ids, batch.attention_mask), before)  # weights untouched
+        metrics = group.update(batch)
+    assert metrics["value_loss"] > 0 and metrics["grad_norm"] > 0
+
+
+def test_a_killed_actor_ends_the_next_call_with_an_error_naming_it(ray_cluster, models, batch_file):
+    from critic_adapters.integrations.ray import CriticWorkerError, RayCriticGroup
+
+    batch, config = rollout_batch(batch_file), engine_config(models["qwen2"])
+    group = RayCriticGroup("fsdp", config, num_workers=2)
+    group.update(batch)
+    pids = list(group.pids)
+    ray_cluster.kill(group.actors[1])
+    start = time.monotonic()
+    with pytest.raises(CriticWorkerError, match=r"critic worker 1 of 2 \(actor \w+, pid \d+\) died during update"):
+        group.update(batch)
+    assert time.monotonic() - start < 60
+    assert gone(pids), "a worker of the group is still running"
+    with pytest.raises(RuntimeError, match="closed"):
+        group.compute_values(batch.input_ids, batch.attention_mask)
+    group.close()  # nothing left to close: no error
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

@@ -1,0 +1,64 @@
+"""The training job on Ray (python -m critic_adapters.integrations.ray.train, 2 actors on a local
+cluster it starts itself): it learns the default job, and a run killed after a checkpoint resumes
+to bit-identical weights; no process of the killed run's workers is left."""
+
+import os
+import re
+import subprocess
+import sys
+
+from safetensors.torch import load_file
+
+from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
+                                                   run_pytest)
+from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after, worker_env
+
+MODULE = "critic_adapters.integrations.ray.train"
+SHORT = SHORT_JOB
+
+
+def ray_env(tmp_path) -> dict:
+    # Token authentication off in this test's own environment (and its ~/.ray in tmp_path).
+    return worker_env(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
+
+
+def _weights(run_dir):
+    return load_file(os.path.join(run_dir, "hf_export", "model.safetensors"))
+
+
+def test_the_default_job_learns_on_a_ray_group(tmp_path):
+    result = run_launcher(MODULE, "--num-workers", "2", f"trainer.run_dir={tmp_path / 'run'}",
+                          "trainer.tensorboard=false", "trainer.progress=false", env=ray_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "starting 2 Ray worker(s)" in result.stdout
+    assert "over 2 data-parallel rank(s)" in result.stdout
+    assert final_explained_variance(result.stdout) >= 0.5
+
+
+def test_a_killed_run_resumes_to_identical_weights(tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    env = ray_env(tmp_path)
+    result = run_launcher(MODULE, "--num-workers", "2", f"trainer.run_dir={whole}", *SHORT, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_launcher_killed_after(MODULE, 8, "--num-workers", "2", f"trainer.run_dir={killed}", *SHORT, env=env)
+    resumed = run_launcher(MODULE, "--num-workers", "2", f"trainer.run_dir={killed}", *SHORT, "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout
+    assert_same_exported_weights(whole, killed)
+    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+
+
+def test_the_example_ppo_loop_runs_and_its_critic_learns(tmp_path):
+    import critic_adapters
+
+    example = os.path.join(os.path.dirname(critic_adapters.__file__), "examples", "ppo_critic_with_ray.py")
+    result = subprocess.run([sys.executable, example, "--out", str(tmp_path / "out")], env=ray_env(tmp_path),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    variance = [float(v) for v in re.findall(r"explained variance of the returns (-?[\d.]+)", result.stdout)]
+    assert len(variance) == 3 and variance[-1] > max(0.5, variance[0]), result.stdout
+    assert (tmp_path / "out" / "hf_export" / "config.json").is_file()
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

@@ -1,0 +1,94 @@
+"""One Ray actor = one rank of a critic engine: it joins the torch.distributed group the driver's
+RayCriticGroup hands it (rank, world size, rendezvous address) and builds the engine there.
+
+The actor selects its own rows of what it is given (its data-parallel share, rows dp_rank::dp_size,
+as the torchrun trainer does), so a stack can pass a rollout batch as one Ray object reference that
+every actor reads from the object store, without a copy through the driver per actor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch
+
+
+def _share(batch, rows: torch.Tensor):
+    return type(batch)(**{field.name: getattr(batch, field.name)[rows] for field in dataclasses.fields(batch)})
+
+
+class CriticWorker:
+    """The actor's class (RayCriticGroup wraps it with ray.remote)."""
+
+    def __init__(self, rank: int, world_size: int, threads: int):
+        self.rank, self.world_size = rank, world_size
+        # Ray starts actors with OMP_NUM_THREADS=1; the engine gets the CPUs it was given.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        self.engine = None
+        self.dist = None
+
+    def where(self, loopback: bool) -> dict:
+        """This actor's pid, and an address + free port the group's rendezvous can use (rank 0's)."""
+        import ray
+
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return {"pid": os.getpid(), "host": host, "port": port}
+
+    def build(self, backend: str, config, master_addr: str, master_port: int) -> dict:
+        """Join the group and build the engine; returns the engine's coordinates (and, on rank 0, its
+        load report and parameter counts)."""
+        from ...common.distributed import init_distributed
+        from ...common.registry import build_engine
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")  # Ray gives each actor its own devices
+        self.dist = init_distributed()
+        self.engine = build_engine(backend, config, self.dist)
+        info = {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size}
+        if self.rank == 0:
+            info["load_report"] = self.engine.load_report
+            info["counts"] = self.engine.parameter_counts() if hasattr(self.engine, "parameter_counts") else None
+        return info
+
+    def _rows(self, count: int) -> torch.Tensor:
+        return torch.arange(count)[self.engine.dp_rank::self.engine.dp_size]
+
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+        """(this data-parallel share's row indices, their values [rows, T])."""
+        rows = self._rows(input_ids.shape[0])
+        return rows, self.engine.compute_values(input_ids[rows], attention_mask[rows])
+
+    def update(self, batch) -> dict:
+        return self.engine.update(_share(batch, self._rows(batch.input_ids.shape[0])))
+
+    def checkpoint_bytes(self) -> int:
+        return self.engine.checkpoint_bytes()
+
+    def save_checkpoint(self, directory: str, extra_state: dict) -> None:
+        self.engine.save_checkpoint(directory, extra_state)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return self.engine.load_checkpoint(directory)
+
+    def export_hf(self, directory: str) -> None:
+        self.engine.export_hf(directory)
+
+    def export_adapter(self, directory: str) -> None:
+        self.engine.export_adapter(directory)
+
+    def close(self) -> None:
+        """Close the engine and leave the process group (the actor is killed after)."""
+        from ...common.distributed import shutdown
+
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.dist is not None:
+            shutdown()
+            self.dist = None
