@@ -1,7 +1,7 @@
 """torchrun worker for test_lora: a LoRA critic on the FSDP engine, on 1 or 2 ranks.
 
   python -m critic_adapters.tests.lora_worker MODEL_DIR WORKDIR BACKEND [TENSOR[sp] [ADAPTER_DIR]]
-TENSOR: engine.parallel.tensor (megatron), with an "sp" suffix sequence parallel too; ADAPTER_DIR: engine.lora.adapter_path (a peft adapter to
+TENSOR: engine.parallel.tensor (megatron), "TxP" with pipeline P, an "sp" suffix for sequence parallel; ADAPTER_DIR: engine.lora.adapter_path (a peft adapter to
 start from).
 Every rank trains on its own rollout (conformance.worker.rollout(rank)). Rank 0 writes
 WORKDIR/result.pt (transform_worker.finish): the values of the same engine without LoRA, right after
@@ -19,7 +19,7 @@ import warnings
 import dataclasses
 
 from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.distributed import all_gather_object, init_distributed
 from critic_adapters.common.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transform_worker import finish
@@ -40,10 +40,11 @@ def main():
     warnings.filterwarnings("ignore")
     model_dir, workdir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
     layout = sys.argv[4] if len(sys.argv) > 4 else "1"
-    parallel = ParallelConfig(tensor=int(layout.removesuffix("sp")), sequence_parallel=layout.endswith("sp"))
+    tensor, _, pipeline = layout.removesuffix("sp").partition("x")
+    parallel = ParallelConfig(tensor=int(tensor), pipeline=int(pipeline or 1), sequence_parallel=layout.endswith("sp"))
     lora = dataclasses.replace(LORA, adapter_path=sys.argv[5] if len(sys.argv) > 5 else None)
     dist = init_distributed()
-    batch = rollout(dist.rank // parallel.tensor)
+    batch = rollout(dist.rank // (parallel.tensor * parallel.pipeline))  # one rollout per data-parallel rank
     plain = build_engine(backend, EngineConfig(model=ModelConfig(path=model_dir), parallel=parallel), dist)
     values_plain = plain.compute_values(batch.input_ids, batch.attention_mask)  # the same critic, no LoRA
     plain.close()
@@ -68,7 +69,10 @@ def main():
     resumed_metrics = resumed.update(batch)
     resumed_values = resumed.compute_values(batch.input_ids, batch.attention_mask)
     resumed.close()
-    finish(engine, dist, workdir, {
+    # Every stage's trainable names (a pipeline stage holds only its own layers, the last one the head).
+    local = {name for name, p in engine.model.named_parameters() if p.requires_grad}
+    trainable_all = sorted(set().union(*all_gather_object(local)))
+    finish(engine, dist, workdir, {"trainable_all": trainable_all,
         "values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
         "before": before, "after": after, "counts": engine.parameter_counts(), "extra": extra,
         "checkpoint_bytes": checkpoint_bytes, "next": (next_metrics, next_values),

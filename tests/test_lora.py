@@ -19,10 +19,11 @@ from critic_adapters.common.valuehead import compute_values, load_critic, save_c
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.lora_worker import LORA, LR
 
-# name: (backend, processes, engine.parallel of lora_worker: tensor degree, "sp" for sequence parallel)
+# name: (backend, processes, engine.parallel of lora_worker: tensor degree, "x" pipeline degree, "sp"
+# for sequence parallel)
 RUNS = {"fsdp-1": ("fsdp", 1, "1"), "fsdp-2": ("fsdp", 2, "1"), "veomni-1": ("veomni", 1, "1"),
         "veomni-2": ("veomni", 2, "1"), "megatron-1": ("megatron", 1, "1"), "megatron-tp2": ("megatron", 2, "2"),
-        "megatron-tp2-sp": ("megatron", 2, "2sp")}
+        "megatron-tp2-sp": ("megatron", 2, "2sp"), "megatron-pp2": ("megatron", 2, "1x2")}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def _run_once(name: str, model_dirs, tmp_path_factory, *extra: str) -> tuple:
         work = tmp_path_factory.mktemp(name)
         run_torchrun(ranks, "critic_adapters.tests.lora_worker", model_dirs[1], str(work), backend, parallel,
                      *extra, env=worker_env(PYTHONWARNINGS="ignore"))
-        _DONE[name] = ranks // int(parallel.removesuffix("sp")), work, torch.load(work / "result.pt")  # one rollout per data-parallel rank
+        tensor, _, pipeline = parallel.removesuffix("sp").partition("x")
+        _DONE[name] = ranks // (int(tensor) * int(pipeline or 1)), work, torch.load(work / "result.pt")  # one rollout per data-parallel rank
     return _DONE[name]
 
 
@@ -119,14 +121,14 @@ def test_one_update_equals_a_peft_reference_step(run, model_dirs):
 
 def test_only_the_adapters_and_the_head_train(run):
     _, _, result = run
-    trainable = set(result["trainable"])  # the engine's own names
+    trainable = set(result["trainable_all"])  # the engine's own names, of every pipeline stage
     if any(n.startswith("module.") for n in trainable):  # megatron: <linear>_lora.lora_A_<part>, output_layer.*
         assert all("_lora.lora_" in n or n.startswith("module.output_layer.") for n in trainable), trainable
         assert {"module.output_layer.weight", "module.output_layer.bias"} <= trainable
     else:
         assert trainable and all(".lora_A." in n or ".lora_B." in n or n.startswith("score.") for n in trainable)
         assert {"score.weight", "score.bias"} <= trainable
-    assert result["optimized"] == len(trainable)
+    assert result["optimized"] == len(result["trainable"])  # rank 0's optimizer, rank 0's parameters
     assert any(".lora_A." in name for name in result["before"])
     for name, before in result["before"].items():  # HF names on every backend
         changed = not torch.equal(before, result["after"][name])
@@ -169,10 +171,10 @@ def test_a_checkpoint_holds_only_what_trains_and_resumes_bit_identically(run):
     saved = set(dcp.FileSystemReader(str(work / "checkpoint")).read_metadata().state_dict_metadata)
     if (work / "checkpoint" / "common.pt").exists():  # megatron's dist_checkpointing: layers stacked, no prefix
         model_keys = {key for key in saved if not key.startswith("optimizer.")}
-        trainable = {re.sub(r"^module\.|(?<=layers)\.\d+", "", name) for name in result["trainable"]}
+        trainable = {re.sub(r"^module\.|(?<=layers)\.\d+", "", name) for name in result["trainable_all"]}
     else:
         model_keys = {key.removeprefix("model.") for key in saved if key.startswith("model.")}
-        trainable = set(result["trainable"])
+        trainable = set(result["trainable_all"])
     assert model_keys == trainable  # no frozen base weight is saved again
     full = sum(t.numel() * 4 for t in result["before"].values())
     trained = sum(t.numel() * 4 for name, t in result["before"].items()

@@ -105,7 +105,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
 
 
 def test_the_python_example_runs(tmp_path):
-    (example,) = readme_blocks("python")
+    example = readme_blocks("python")[0]
     model_dir = str(tmp_path / "model")
     from critic_adapters.common.testdata import save_tiny_causal_lm
 
@@ -116,6 +116,26 @@ def test_the_python_example_runs(tmp_path):
                             env=worker_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_the_ray_example_runs(tmp_path):
+    """The README's RayCriticGroup block, on a local cluster (token authentication off in this test's
+    own environment, its ~/.ray in tmp_path)."""
+    (example,) = [block for block in readme_blocks("python") if "RayCriticGroup" in block]
+    model_dir = str(tmp_path / "model")
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+
+    save_tiny_causal_lm("qwen2", model_dir)
+    code = example.replace("path/to/critic", model_dir)
+    prelude = ("from critic_adapters.tests.conformance.worker import rollout\nrollout_batch = rollout(0)\n"
+               "input_ids, attention_mask = rollout_batch.input_ids, rollout_batch.attention_mask\n")
+    check = ("\nassert values.shape == tuple(input_ids.shape) and extra == {'step': 1}\n"
+             "assert metrics['value_loss'] > 0\nray.shutdown()\n")
+    env = worker_env(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", prelude + code + check], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "critic" / "config.json").is_file() and (tmp_path / "ckpt").is_dir()
 
 
 if __name__ == "__main__":
