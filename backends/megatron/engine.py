@@ -236,15 +236,15 @@ class MegatronCriticEngine:
         torch_dist.gather_object(own, gathered if self.dist.is_main else None, dst=0)
         if not self.dist.is_main:
             return None
+        states = {key: state for key, _, state in filter(None, gathered)}  # by (pp_rank, tp_rank)
         base = {key: {k: v for k, v in state.items() if not megatron_lora.is_adapter_key(k)}
-                for key, _, state in filter(None, gathered)}
+                for key, state in states.items()}
         layouts = {key: layout for key, layout, _ in filter(None, gathered)}
         hf_state = convert.mcore_to_hf(base, layouts, self.hf_config, self.traits)
         if not self.config.lora.rank:
             return hf_state
         for pp_rank in sorted({pp for pp, _ in layouts}):
-            stage = [state for (pp, _tp), _, state in sorted(filter(None, gathered), key=lambda g: g[0])
-                     if pp == pp_rank]
+            stage = [states[(pp_rank, tp)] for tp in range(self.config.parallel.tensor)]  # tensor-rank order
             hf_state.update(megatron_lora.megatron_to_hf(stage, self.config.lora, layouts[(pp_rank, 0)]))
         return injected_names(hf_state)
 

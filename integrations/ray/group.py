@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch
 
@@ -53,7 +54,7 @@ class RayCriticGroup:
         (integrations.ray.cluster.ensure_ray). Everything that can be refused is refused before any
         actor starts: the backend, the layout for this worker count, the model and LoRA settings."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
 
         from ...common.registry import check_engine_config, check_layout
         from .cluster import ensure_ray, started_locally
@@ -65,15 +66,13 @@ class RayCriticGroup:
             raise ValueError(f"num_workers={num_workers}: a group needs at least one worker")
         check_engine_config(backend, engine_config)
         check_layout(backend, engine_config, num_workers)
-        use_gpu = torch.cuda.is_available()
-        resources = _resources(resources_per_worker, use_gpu)
+        resources = _resources(resources_per_worker, use_gpu=torch.cuda.is_available())
         # Paths as the driver means them: an actor's working directory is not the driver's.
         model = dataclasses.replace(engine_config.model, path=_absolute(engine_config.model.path))
         engine_config = dataclasses.replace(engine_config, model=model)
         ensure_ray()
         self.backend, self.config, self.num_workers = backend, engine_config, num_workers
         self.error_grace_s = error_grace_s
-        self._remove_placement_group = remove_placement_group
         self.actors, self._closed = [], False
         self.placement_group = placement_group([dict(resources) for _ in range(num_workers)],
                                                strategy=placement_strategy)
@@ -84,13 +83,13 @@ class RayCriticGroup:
                                    f"({placement_strategy}) within {startup_timeout_s:.0f} s; the cluster has "
                                    f"{ray.available_resources()} free. Lower num_workers or resources_per_worker, "
                                    f"or add nodes")
-            self._start_actors(resources, use_gpu, loopback=started_locally())
+            self._start_actors(resources, loopback=started_locally())
         except BaseException:
             self._stop()
             raise
 
     # -- start ---------------------------------------------------------------------------------------
-    def _start_actors(self, resources: dict, use_gpu: bool, *, loopback: bool) -> None:
+    def _start_actors(self, resources: dict, *, loopback: bool) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -128,7 +127,7 @@ class RayCriticGroup:
         results, errors, pending = {}, {}, list(refs)
         deadline = None
         while pending:
-            timeout = None if deadline is None else max(0.0, deadline - _now())
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:  # an engine error on some workers, and the others still inside a collective
                 first = min(errors)
@@ -150,7 +149,7 @@ class RayCriticGroup:
                 except RayTaskError as err:
                     errors[rank] = err.cause if err.cause is not None else err
                     if deadline is None:
-                        deadline = _now() + self.error_grace_s
+                        deadline = time.monotonic() + self.error_grace_s
         if errors:  # every worker returned: the engines refused together, the group is usable
             raise errors[min(errors)]
         return [results[rank] for rank in range(len(refs))]
@@ -160,13 +159,8 @@ class RayCriticGroup:
             raise RuntimeError("this RayCriticGroup is closed (or was stopped by a worker failure); start a new one")
 
     # -- the engine API, on the driver ---------------------------------------------------------------
-    @property
-    def dp_rank(self) -> int:
-        """The trainer's view: the group is one data-parallel rank holding every row."""
-        return 0
-
-    dp_size = 1
-    dp_group = None
+    # The trainer's view: the group is one data-parallel rank holding every row.
+    dp_rank, dp_size, dp_group = 0, 1, None
 
     @property
     def data_parallel_ranks(self) -> int:
@@ -225,6 +219,7 @@ class RayCriticGroup:
     def _stop(self) -> None:
         """Kill every actor and remove the placement group (no collective: used after a failure too)."""
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         self._closed = True
         for actor in self.actors:
@@ -234,7 +229,7 @@ class RayCriticGroup:
                 pass
         if getattr(self, "placement_group", None) is not None:
             try:
-                self._remove_placement_group(self.placement_group)
+                remove_placement_group(self.placement_group)
             except Exception:  # noqa: BLE001 - already removed
                 pass
             self.placement_group = None
@@ -244,12 +239,6 @@ class RayCriticGroup:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def _reason(err) -> str:
