@@ -76,10 +76,12 @@ class MicroBatch:
         return int(self.scatter_rows.numel())
 
     def unpack(self, outputs: torch.Tensor, row_length: int) -> torch.Tensor:
-        """Model outputs (1, N) or (b, T_mb) -> (len(rows), row_length), zero on padding."""
+        """Model outputs (1, N, ...) or (b, T_mb, ...) -> (len(rows), row_length, ...), zero on padding
+        (trailing dimensions, e.g. an HL-Gauss head's bins, are carried along)."""
         valid = outputs if self.gather_index is None else outputs[self.gather_index]
-        valid = valid.reshape(-1)
-        out = valid.new_zeros(len(self.rows), row_length)
+        trailing = tuple(outputs.shape[2:])
+        valid = valid.reshape(-1, *trailing)
+        out = valid.new_zeros(len(self.rows), row_length, *trailing)
         return out.index_put((self.scatter_rows, self.scatter_cols), valid)
 
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .atomic_dir import commit_staging_dir, make_staging_dir
 from .distributed import all_reduce, barrier, broadcast_object
+from .hl_gauss import HLGaussSupport, describe, support_of
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -81,7 +82,7 @@ def hf_fingerprint(config, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) 
     Hugging Face name and full (unsharded) shape."""
     shapes = sorted((name, [int(d) for d in shape]) for name, shape in named_shapes)
     text = config.get_text_config()
-    return {
+    fingerprint = {
         "model_type": config.model_type,
         "hidden_size": text.hidden_size,
         "num_hidden_layers": text.num_hidden_layers,
@@ -89,6 +90,10 @@ def hf_fingerprint(config, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) 
         "num_parameters": sum(_numel(shape) for _, shape in shapes),
         "shapes_sha256": hashlib.sha256(json.dumps(shapes).encode()).hexdigest(),
     }
+    support = support_of(config)
+    if support is not None:  # absent for a scalar head, as in checkpoints from before HL-Gauss
+        fingerprint["value_head"] = support.to_dict()
+    return fingerprint
 
 
 def critic_fingerprint(model, transforms: Iterable[str] = ()) -> dict:
@@ -192,6 +197,11 @@ def check_meta(directory: str, fingerprint: dict) -> dict:
     with open(meta_file) as f:
         meta = json.load(f)
     saved = meta["fingerprint"]
+    if saved.get("value_head") != fingerprint.get("value_head"):
+        held, wanted = (describe(None if f.get("value_head") is None else HLGaussSupport.from_dict(f["value_head"]))
+                        for f in (saved, fingerprint))
+        raise ValueError(f"checkpoint {directory} holds a critic with {held}, but this engine has {wanted}: resume it "
+                         f"with the engine.loss.kind and engine.loss.hl_gauss settings it was trained with")
     if saved != fingerprint:
         diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if saved.get(k) != v}
         raise ValueError(f"checkpoint {directory} belongs to another model: (checkpoint, this model) differ in {diff}; "

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import warnings
 
+from .hl_gauss import HLGaussSupport, support_problem
 from .loss import AGG_MODES
 
 DTYPES = ("float32", "bfloat16")
@@ -32,6 +34,11 @@ class ModelConfig:
     fresh_head: bool = False
     """Ignore any head in the checkpoint and start from a fresh one."""
     head_init_seed: int = 0
+    init_from_scalar_head: bool = False
+    """With engine.loss.kind=hl_gauss and a checkpoint whose head is scalar (an MSE critic): start
+    the HL-Gauss head from it, its distribution at every token a Gaussian centred on the scalar
+    head's value (common/hl_gauss.py: from_scalar_head). False: a zero head (uniform over the bins,
+    value = the support's centre)."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -62,19 +69,59 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
 
 
+LOSS_KINDS = ("mse", "hl_gauss")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class HLGaussConfig:
+    """The support of an HL-Gauss value head (common/hl_gauss.py), used with engine.loss.kind=hl_gauss."""
+
+    num_bins: int = 51
+    min_value: float | None = None
+    """Lower end of the return range (required with hl_gauss); returns below it are clamped."""
+    max_value: float | None = None
+    """Upper end of the return range (required with hl_gauss); returns above it are clamped."""
+    sigma_ratio: float = 0.75
+    """The target Gaussian's sigma in bin widths."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class LossConfig:
+    kind: str = "mse"
+    """mse: a scalar head and the clipped squared error; hl_gauss: a head of hl_gauss.num_bins logits
+    trained by cross-entropy against HL-Gauss targets, its value the expectation (common/hl_gauss.py)."""
     clip_range: float | None = 0.5
-    """Value clip eps around the rollout's old values; None for the unclipped loss."""
+    """Value clip eps around the rollout's old values; None for the unclipped loss (mse only: set it
+    to null with kind=hl_gauss)."""
     agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, normalised over
     the whole mini-batch (all ranks, all micro-batches)."""
+    hl_gauss: HLGaussConfig = dataclasses.field(default_factory=HLGaussConfig)
 
     def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"engine.loss.kind={self.kind!r}: use one of {', '.join(LOSS_KINDS)}")
         if self.agg_mode not in AGG_MODES:
             raise ValueError(f"loss.agg_mode={self.agg_mode!r}: use one of {', '.join(AGG_MODES)}")
         if self.clip_range is not None and self.clip_range <= 0:
             raise ValueError(f"loss.clip_range={self.clip_range} must be > 0, or null for no clipping")
+        if self.kind == "hl_gauss":
+            if self.clip_range is not None:
+                raise ValueError(f"engine.loss.clip_range={self.clip_range} does not apply to engine.loss.kind=hl_gauss "
+                                 f"(a value clip has no cross-entropy form): set engine.loss.clip_range=null")
+            h = self.hl_gauss
+            problem = support_problem(h.num_bins, h.min_value, h.max_value, h.sigma_ratio, prefix="engine.loss.hl_gauss.")
+            if problem:
+                raise ValueError(problem)
+
+    @property
+    def support(self) -> HLGaussSupport | None:
+        """The HL-Gauss support the critic's head has, or None for a scalar (mse) head."""
+        if self.kind != "hl_gauss":
+            return None
+        h = self.hl_gauss
+        return HLGaussSupport(num_bins=h.num_bins, min_value=float(h.min_value), max_value=float(h.max_value),
+                              sigma_ratio=float(h.sigma_ratio))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -202,8 +249,11 @@ class DataConfig:
     """How many rollouts embedded:default generates."""
     gamma: float = 1.0
     """Discount for GAE when the data has per-token rewards instead of returns."""
-    lam: float = 1.0
-    """GAE lambda for the same."""
+    lam_critic: float = 1.0
+    """GAE lambda of the critic's returns for the same (1.0: Monte-Carlo returns, as VAPO and VC-PPO
+    train the critic; common.data.gae also gives the policy its own lambda)."""
+    lam: float | None = None
+    """Deprecated name of lam_critic (still read; it sets lam_critic)."""
     mini_batch_size: int = 64
     """Sequences per optimizer step, across all ranks."""
     truncate_to_max_positions: bool = False
@@ -215,8 +265,16 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.mini_batch_size < 1:
             raise ValueError(f"data.mini_batch_size={self.mini_batch_size} must be >= 1")
-        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"data.gamma={self.gamma} and data.lam={self.lam} must be in [0, 1]")
+        if self.lam is not None:
+            if self.lam_critic not in (1.0, self.lam):
+                raise ValueError(f"data.lam={self.lam} and data.lam_critic={self.lam_critic} are the same setting "
+                                 f"(data.lam is its deprecated name): set only data.lam_critic")
+            # Folded into lam_critic, so that a saved config (and a resume check) holds one key.
+            warnings.warn(f"data.lam is deprecated: it is read as data.lam_critic={self.lam}; rename the key",
+                          FutureWarning, stacklevel=2)
+            self.lam_critic, self.lam = self.lam, None
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam_critic <= 1.0):
+            raise ValueError(f"data.gamma={self.gamma} and data.lam_critic={self.lam_critic} must be in [0, 1]")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

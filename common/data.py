@@ -235,14 +235,27 @@ def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = Non
     return to_rollouts(records)
 
 
-def gae_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                gamma: float, lam: float) -> torch.Tensor:
-    """GAE(gamma, lambda) returns over each row's response tokens (in order, skipping non-response
-    tokens such as tool output between turns); `values` are the critic's predictions for those tokens.
+def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam_critic: float,
+        lam_policy: float | None = None, length_adaptive_alpha: float | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled GAE over each row's response tokens: (advantages for the policy, returns for the
+    critic), both [N, T] and zero off the response.
 
-    Response tokens are compacted to the left of an [N, R] buffer; the zeros after each row's last
-    token make the recursion end there (next value 0, next advantage 0).
+    returns    = GAE(gamma, lam_critic) advantages + values (lam_critic = 1: Monte-Carlo returns,
+                 what VAPO and VC-PPO train the critic on);
+    advantages = GAE(gamma, lam) with lam = lam_policy, or, with length_adaptive_alpha = a, per row
+                 lam = 1 - 1 / (a * L) for a response of L tokens (VAPO: a = 0.05), clamped to
+                 [0, 1] (short responses get 0: one-step TD); neither given: lam_critic.
+
+    The recursion runs over the response tokens in order, skipping non-response tokens (tool output
+    between turns): they are compacted to the left of an [N, R] buffer, and the zeros after each
+    row's last token end it (next value 0, next advantage 0). `values` are the critic's predictions
+    for those tokens.
     """
+    if lam_policy is not None and length_adaptive_alpha is not None:
+        raise ValueError("gae: pass lam_policy or length_adaptive_alpha, not both")
+    if length_adaptive_alpha is not None and not length_adaptive_alpha > 0:
+        raise ValueError(f"gae: length_adaptive_alpha={length_adaptive_alpha} must be > 0")
     mask = response_mask.bool()
     counts = mask.sum(dim=1)
     width = int(counts.max()) if counts.numel() else 0
@@ -250,16 +263,36 @@ def gae_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torc
     r = torch.zeros(rewards.shape[0], width, dtype=torch.float64)
     v = torch.zeros_like(r)
     r[slots], v[slots] = rewards[mask].double(), values[mask].double()
-    advantages = torch.zeros_like(r)
-    next_value = next_advantage = torch.zeros(rewards.shape[0], dtype=torch.float64)
-    for t in range(width - 1, -1, -1):
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
-        advantages[:, t] = next_advantage
-        next_value = v[:, t]
-    returns = torch.zeros_like(rewards)
-    returns[mask] = (advantages + v)[slots].to(rewards.dtype)
-    return returns
+
+    def advantages_with(lam: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(r)
+        next_value = next_advantage = torch.zeros(rewards.shape[0], dtype=torch.float64)
+        for t in range(width - 1, -1, -1):
+            delta = r[:, t] + gamma * next_value - v[:, t]
+            next_advantage = delta + gamma * lam * next_advantage
+            out[:, t] = next_advantage
+            next_value = v[:, t]
+        return out
+
+    rows = rewards.shape[0]
+    critic_adv = advantages_with(torch.full((rows,), float(lam_critic), dtype=torch.float64))
+    if length_adaptive_alpha is not None:
+        lam = (1.0 - 1.0 / (length_adaptive_alpha * counts.double().clamp(min=1))).clamp(0.0, 1.0)
+        policy_adv = advantages_with(lam)
+    elif lam_policy is not None and lam_policy != lam_critic:
+        policy_adv = advantages_with(torch.full((rows,), float(lam_policy), dtype=torch.float64))
+    else:
+        policy_adv = critic_adv
+    returns, advantages = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    returns[mask] = (critic_adv + v)[slots].to(rewards.dtype)
+    advantages[mask] = policy_adv[slots].to(rewards.dtype)
+    return advantages, returns
+
+
+def gae_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                gamma: float, lam: float) -> torch.Tensor:
+    """The critic's GAE(gamma, lam) returns alone (gae's second output)."""
+    return gae(rewards, values, response_mask, gamma, lam)[1]
 
 
 # --- the embedded default rollout set -----------------------------------------------------------

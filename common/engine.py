@@ -163,5 +163,6 @@ def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
 
 
 def shift_to_tokens(values: torch.Tensor) -> torch.Tensor:
-    """[B, T] values at positions -> predictions for tokens: pred[:, t] = values[:, t - 1], pred[:, 0] = 0."""
-    return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+    """[B, T, ...] values (or head outputs) at positions -> predictions for tokens:
+    pred[:, t] = values[:, t - 1], pred[:, 0] = 0."""
+    return torch.cat([values.new_zeros(values.shape[0], 1, *values.shape[2:]), values[:, :-1]], dim=1)

@@ -55,7 +55,7 @@ from .transforms import engine_transforms, export_state_dict, trainable_paramete
 from .update_step import StepStats, plan_step, step_micro_batches
 from .valuehead import save_critic
 from .valuehead.attention import flash_attention_available
-from .valuehead.values import compute_values
+from .valuehead.values import compute_bin_logits, compute_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -130,11 +130,12 @@ class FSDP2Engine(abc.ABC):
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
         return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
 
-    def _forward(self, mb: MicroBatch, row_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output)."""
+    def _forward(self, mb: MicroBatch, row_length: int, *, bins: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output);
+        bins=True: an HL-Gauss critic's bin logits instead ([len(rows), row_length, num_bins])."""
         device = self.dist.device
         with quiet_fsdp_views():
-            values = compute_values(
+            values = (compute_bin_logits if bins else compute_values)(
                 self.model,
                 mb.input_ids.to(device),
                 None if mb.attention_mask is None else mb.attention_mask.to(device),
@@ -164,8 +165,9 @@ class FSDP2Engine(abc.ABC):
         self.model.train()
         device = self.dist.device
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
+        bins = stats.support is not None  # HL-Gauss: the loss takes the bin logits
         for mb in self._micro_batches(batch.input_ids, batch.attention_mask):
-            values, raw = self._forward(mb, batch.input_ids.shape[1])
+            values, raw = self._forward(mb, batch.input_ids.shape[1], bins=bins)
             if not mb.rows:
                 (raw.sum() * 0.0).backward()  # keep this rank in step with the others' collectives
                 continue

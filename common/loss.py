@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .hl_gauss import HLGaussSupport, cross_entropy
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -83,7 +85,6 @@ def value_loss_terms(
             f"and response_mask {tuple(response_mask.shape)} must have the same [B, T] shape"
         )
     mask = response_mask.bool()
-    weight = mask.to(values.dtype)
     # Zero the masked positions before squaring so garbage there (even inf) cannot leak as NaN.
     values_m = torch.where(mask, values, torch.zeros_like(values))
     returns_m = torch.where(mask, returns, torch.zeros_like(returns)).to(values.dtype)
@@ -98,6 +99,15 @@ def value_loss_terms(
         per_token = 0.5 * torch.maximum(unclipped, clipped)
         clipped_more = (clipped > unclipped) & mask
 
+    loss = aggregate(per_token, mask, agg_mode, normalizer, horizon)
+    return loss, clipped_more.sum(), mask.sum()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg_mode: str, normalizer: float | None = None,
+              horizon: int | None = None) -> torch.Tensor:
+    """The agg_mode reduction of [B, T] per-token losses over the valid tokens (see value_loss)."""
+    mask = mask.bool()
+    weight = mask.to(per_token.dtype)
     if normalizer is None:
         normalizer = loss_normalizer(mask, agg_mode)
     per_token = per_token * weight
@@ -110,8 +120,32 @@ def value_loss_terms(
         elif agg_mode == "seq-mean-token-sum-norm":
             seq_sums = seq_sums / float(horizon if horizon is not None else mask.shape[-1])
         total = seq_sums.sum()
-    loss = total / normalizer if normalizer > 0 else total * 0.0
-    return loss, clipped_more.sum(), mask.sum()
+    return total / normalizer if normalizer > 0 else total * 0.0
+
+
+def hl_gauss_loss_terms(
+    logits: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    support: HLGaussSupport,
+    *,
+    agg_mode: str,
+    normalizer: float | None = None,
+    horizon: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HL-Gauss loss of [B, T, K] bin logits (already aligned with the tokens, as `values` in
+    value_loss_terms): cross-entropy against the targets of `returns` per response token, reduced
+    exactly as the MSE loss (agg_mode, whole-mini-batch normaliser). Returns (loss, valid count)."""
+    _check_mode(agg_mode)
+    if logits.shape[:-1] != returns.shape or returns.shape != response_mask.shape or logits.shape[-1] != support.num_bins:
+        raise ValueError(f"logits {tuple(logits.shape)} must be [B, T, {support.num_bins}] over returns "
+                         f"{tuple(returns.shape)} and response_mask {tuple(response_mask.shape)}")
+    mask = response_mask.bool()
+    # Masked positions get a finite return and zero logits: nothing there (even inf) can leak as NaN.
+    returns_m = torch.where(mask, returns, torch.zeros_like(returns)).float()
+    logits_m = torch.where(mask[..., None], logits, torch.zeros_like(logits))
+    per_token = cross_entropy(logits_m, returns_m, support)
+    return aggregate(per_token, mask, agg_mode, normalizer, horizon), mask.sum()
 
 
 def explained_variance_from_sums(n: float, r_sum: float, r_sq: float, res_sum: float, res_sq: float) -> float:

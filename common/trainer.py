@@ -133,7 +133,7 @@ def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistC
             rollouts.old_values = predictions * rollouts.response_mask
         if rollouts.returns is None:
             rollouts.returns = gae_returns(rollouts.rewards, rollouts.old_values, rollouts.response_mask,
-                                           config.data.gamma, config.data.lam)
+                                           config.data.gamma, config.data.lam_critic)
     return rollouts
 
 

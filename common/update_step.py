@@ -6,8 +6,9 @@ stay tensors on the device; they are brought to the host and reduced over the da
 once per step, in `StepStats.metrics`. The metric names are part of the engine contract
 (docs/ARCHITECTURE.md):
 
-  value_loss          the mini-batch's clipped value loss (normalised over all its DP ranks)
-  clip_fraction       share of valid tokens where the clipped term was the larger one
+  value_loss          the mini-batch's clipped value loss (normalised over all its DP ranks); with
+                      loss.kind=hl_gauss its cross-entropy against the HL-Gauss targets
+  clip_fraction       share of valid tokens where the clipped term was the larger one (0 for hl_gauss)
   explained_variance  1 - Var[R - V] / Var[R] over the mini-batch's valid tokens, before the step
   grad_norm           global gradient norm before clipping
   lr                  the learning rate this step used
@@ -25,7 +26,8 @@ from .batching import MicroBatch, count_micro_batches, make_micro_batches
 from .config import BatchingConfig, LossConfig
 from .distributed import all_reduce
 from .engine import RolloutBatch
-from .loss import explained_variance_from_sums, loss_normalizer, value_loss_terms
+from .hl_gauss import expectation
+from .loss import explained_variance_from_sums, hl_gauss_loss_terms, loss_normalizer, value_loss_terms
 
 # docs/METRICS.md defines each one.
 METRICS = ("value_loss", "mse", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s",
@@ -66,16 +68,26 @@ class StepStats:
 
     def __init__(self, loss: LossConfig, plan: StepPlan, device: torch.device):
         self.loss_config = loss
+        self.support = loss.support
         self.plan = plan
         self.sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
 
     def micro_batch_loss(self, predictions: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                          response_mask: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's share of the mini-batch loss ([b, T] predictions for tokens); its
-        micro-batches' losses add up to the mini-batch loss, however the mini-batch was split."""
-        loss, clipped, valid = value_loss_terms(
-            predictions, old_values, returns, response_mask, clip_range=self.loss_config.clip_range,
-            agg_mode=self.loss_config.agg_mode, normalizer=self.plan.normalizer, horizon=self.plan.horizon)
+        """This micro-batch's share of the mini-batch loss; its micro-batches' losses add up to the
+        mini-batch loss, however the mini-batch was split. `predictions` are for tokens (shifted):
+        [b, T] values, or with loss.kind=hl_gauss [b, T, num_bins] bin logits."""
+        support = self.support
+        if support is None:
+            loss, clipped, valid = value_loss_terms(
+                predictions, old_values, returns, response_mask, clip_range=self.loss_config.clip_range,
+                agg_mode=self.loss_config.agg_mode, normalizer=self.plan.normalizer, horizon=self.plan.horizon)
+        else:
+            loss, valid = hl_gauss_loss_terms(predictions, returns, response_mask, support,
+                                              agg_mode=self.loss_config.agg_mode, normalizer=self.plan.normalizer,
+                                              horizon=self.plan.horizon)
+            clipped = valid * 0
+            predictions = expectation(predictions.detach(), support)
         with torch.no_grad():
             mask = response_mask.bool()
             r = torch.where(mask, returns, 0).double()

@@ -40,7 +40,8 @@ class FSDPCriticEngine(FSDP2Engine):
             dtype=DTYPES[model_cfg.dtype],
             attn_implementation=attention_for(config),
             load_kwargs=dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
-                             fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed),
+                             fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
+                             value_head=config.loss.support, init_from_scalar_head=model_cfg.init_from_scalar_head),
             transform=lambda critic: apply_transforms(critic, engine_transforms(config)),
             parallelize=lambda critic, mesh: parallelize_critic(
                 critic, mesh, mixed_precision=config.mixed_precision,

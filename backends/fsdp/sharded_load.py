@@ -24,18 +24,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from ...common.distributed import broadcast_object
 from ...common.mesh import ParallelMesh
 from ...common.valuehead import LoadReport, load_critic
-from ...common.valuehead.config import critic_class
+from ...common.valuehead.config import DECLARED_HEAD, critic_class, install_value_head
 from ...common.valuehead.load import plan_load
 
 
 def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | None,
-                 trust_remote_code: bool, head_prefix: str | None) -> torch.nn.Module:
+                 trust_remote_code: bool, head_prefix: str | None, value_head) -> torch.nn.Module:
     """The critic's module tree (what load_critic builds), with no storage."""
-    plan = plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code)
+    plan = plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code, value_head=value_head)
     cls = critic_class(plan.config)
     with torch.device("meta"):
         model = cls._from_config(plan.config, attn_implementation=attn_implementation, dtype=dtype)
-    return model
+    return install_value_head(model)
 
 
 def _fsdp_device_mesh(mesh: ParallelMesh, device_type: str) -> DeviceMesh:
@@ -81,7 +81,8 @@ def load_sharded_critic(
     # Build the same tree everywhere (rank 0 too: its loaded copy is dropped once broadcast).
     model = transform(_meta_critic(path, dtype=dtype, attn_implementation=report.attn_implementation,
                                    trust_remote_code=load_kwargs.get("trust_remote_code", False),
-                                   head_prefix=load_kwargs.get("head_prefix")))
+                                   head_prefix=load_kwargs.get("head_prefix"),
+                                   value_head=load_kwargs.get("value_head", DECLARED_HEAD)))
     model = parallelize(model, fsdp_mesh)
     model.to_empty(device=device)
     set_model_state_dict(model, full_state,

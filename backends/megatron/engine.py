@@ -32,6 +32,7 @@ from ...common.checkpoints import critic_fingerprint
 from ...common.config import EngineConfig
 from ...common.distributed import DistContext, all_reduce, barrier
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ...common.hl_gauss import head_values
 from ...common.mesh import ParallelMesh
 from ...common.registry import check_engine_config
 from ...common.update_step import StepStats, plan_step, step_micro_batches
@@ -55,15 +56,17 @@ class MegatronCriticEngine:
         self.dist = dist
         model_cfg = config.model
         # Everything that can be refused is refused before megatron creates a single group.
+        self.support = config.loss.support  # an HL-Gauss head's, or None (scalar)
         hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
-                              trust_remote_code=model_cfg.trust_remote_code).config
+                              trust_remote_code=model_cfg.trust_remote_code, value_head=self.support).config
         self.traits = check_megatron_config(hf_config, config.parallel, dist.world_size)
         # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
         self.generator = torch.Generator().manual_seed(config.seed)
         critic, self.load_report = load_critic(
             model_cfg.path, torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
             head_prefix=model_cfg.head_prefix, fresh_head=model_cfg.fresh_head,
-            head_init_seed=model_cfg.head_init_seed)
+            head_init_seed=model_cfg.head_init_seed, value_head=self.support,
+            init_from_scalar_head=model_cfg.init_from_scalar_head)
         self.hf_config = critic.config
         self.critic_class = type(critic)
         # LoRA (the only transform this backend takes: engine.transforms is refused by key) is applied
@@ -160,7 +163,8 @@ class MegatronCriticEngine:
 
         def collect(mb, inputs, output):
             if mb.rows:
-                out[mb.rows] = mb.unpack(inputs.crop(output.squeeze(-1)), input_ids.shape[1]).float().cpu()
+                values = head_values(inputs.crop(output), self.support)  # bin logits -> expectations
+                out[mb.rows] = mb.unpack(values, input_ids.shape[1]).float().cpu()
             return output.sum() * 0.0, {}
 
         self._run(self._micro_batches(input_ids, attention_mask), collect, forward_only=True)
@@ -185,7 +189,9 @@ class MegatronCriticEngine:
         def loss_fn(mb, inputs, output):
             if not mb.rows:
                 return output.sum() * 0.0, {}
-            values = mb.unpack(inputs.crop(output.squeeze(-1)), batch.input_ids.shape[1])
+            # [rows, T] values, or [rows, T, num_bins] bin logits for the HL-Gauss loss
+            head = inputs.crop(output if self.support is not None else output.squeeze(-1))
+            values = mb.unpack(head, batch.input_ids.shape[1])
             loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                           batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
             return loss * scale, {}

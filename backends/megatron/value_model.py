@@ -1,5 +1,5 @@
 """The critic as a megatron-core GPTModel: decoder layers from the HF config, and in place of the
-vocab projection a replicated Linear(H, 1, bias=True) on the last pipeline stage (values float32).
+vocab projection a replicated Linear(H, 1, bias=True) (num_bins outputs for HL-Gauss) on the last pipeline stage (values float32).
 
 Layer spec: TransformerEngine's when TE is importable and CUDA is present (packed rows through
 PackedSeqParams/THD), else our local spec: megatron's parallel linears, torch RMSNorm, and
@@ -45,22 +45,23 @@ class CriticRMSNorm(torch.nn.RMSNorm):
 
 
 class ValueHead(torch.nn.Module):
-    """Replicated hidden -> 1 linear in fp32; under sequence parallelism it runs on this rank's part
-    of the sequence and the values are gathered (each rank then holds the whole [s, b, 1]).
-    Its tensors are `output_layer.weight` [1, H] and `output_layer.bias` [1]: the names GPTModel's
-    sharded_state_dict (dist_checkpointing) expects of an output layer."""
+    """Replicated hidden -> `outputs` linear in fp32 (1 for a scalar critic, num_bins for HL-Gauss:
+    the engine turns bin logits into values); under sequence parallelism it runs on this rank's part
+    of the sequence and the outputs are gathered (each rank then holds the whole [s, b, outputs]).
+    Its tensors are `output_layer.weight` [outputs, H] and `output_layer.bias` [outputs]: the names
+    GPTModel's sharded_state_dict (dist_checkpointing) expects of an output layer."""
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool):
+    def __init__(self, hidden_size: int, sequence_parallel: bool, outputs: int = 1):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        self.weight = torch.nn.Parameter(torch.zeros(outputs, hidden_size, dtype=torch.float32))
+        self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=torch.float32))
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             for param in self.parameters():
                 param.sequence_parallel = True
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
-        values = F.linear(hidden.float(), self.weight, self.bias)  # (s, b, 1)
+        values = F.linear(hidden.float(), self.weight, self.bias)  # (s, b, outputs)
         if self.sequence_parallel:
             # The loss is computed whole on every tensor-parallel rank, so the gradient of this
             # rank's part is just its slice (no reduce-scatter).
@@ -127,5 +128,5 @@ def build_value_model(hf_config, tf_config, traits: FamilyTraits, *, pre_process
         rotary_base=rope_theta(hf_config),
     )
     if post_process:
-        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel)
+        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, outputs=hf_config.num_labels)
     return model

@@ -28,6 +28,7 @@ from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
 from ...common.mesh import ParallelMesh, mesh_sizes
 from ...common.transforms import apply_transforms, engine_transforms, resolve_transforms
+from ...common.valuehead.config import install_value_head
 from ...common.valuehead.load import plan_load
 
 
@@ -57,7 +58,8 @@ class VeOmniCriticEngine(FSDP2Engine):
         model_cfg = self.config.model
         # Config and tensor headers only: refuse what VeOmni cannot build before anything is loaded.
         self.hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
-                                   trust_remote_code=model_cfg.trust_remote_code).config
+                                   trust_remote_code=model_cfg.trust_remote_code,
+                                   value_head=self.config.loss.support).config
         with veomni_output():
             value_model.check_family_registered(self.hf_config)
             sizes = mesh_sizes(self.config.parallel, self.dist.world_size)
@@ -87,7 +89,8 @@ class VeOmniCriticEngine(FSDP2Engine):
         model_cfg, fsdp = self.config.model, self.dp_size > 1
         transforms = engine_transforms(self.config)
         load_kwargs = dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
-                           fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed)
+                           fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
+                           value_head=self.config.loss.support, init_from_scalar_head=model_cfg.init_from_scalar_head)
         # Sharded (2+ ranks), VeOmni fills every rank's meta tree by name from what rank 0 writes: a
         # transform that adds or renames parameters (LoRA) must be applied before writing. With one
         # rank the critic is built from the plain weights and transformed in place.
@@ -112,7 +115,7 @@ class VeOmniCriticEngine(FSDP2Engine):
                                                  attn_implementation=attention_for(self.config, padded="sdpa"),
                                                  init_device=init_device)
                 value_model.check_class(model, self.hf_config)
-                model = apply_transforms(model, transforms)
+                model = apply_transforms(install_value_head(model), transforms)
                 if rewrites_keys:
                     mismatch = value_model.check_weights_cover(model, weights_dir) if self.dist.is_main else None
                     mismatch = broadcast_object(mismatch)

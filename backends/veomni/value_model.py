@@ -129,7 +129,7 @@ def _dispatch_error(what: str, model: torch.nn.Module, expected: str) -> ValueEr
 
 
 def check_class(model: torch.nn.Module, critic_cfg) -> None:
-    """The critic class, no vocab projection, a [1, H] head. Local: no collective."""
+    """The critic class, no vocab projection, a [1, H] head ([num_bins, H] for HL-Gauss). Local: no collective."""
     expected = architecture_name(critic_cfg)
     if type(model).__name__ != expected:
         raise _dispatch_error(f"its class is {type(model).__name__}, not {expected}", model, expected)
@@ -137,8 +137,9 @@ def check_class(model: torch.nn.Module, critic_cfg) -> None:
     if projections:
         raise _dispatch_error(f"it has a vocab projection {projections}", model, expected)
     head = getattr(model, head_name(critic_cfg), None)
-    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
-        raise _dispatch_error(f"its head {head_name(critic_cfg)!r} is {head!r}, not Linear(H, 1)", model, expected)
+    outputs = critic_cfg.num_labels
+    if not isinstance(head, torch.nn.Linear) or head.out_features != outputs:
+        raise _dispatch_error(f"its head {head_name(critic_cfg)!r} is {head!r}, not Linear(H, {outputs})", model, expected)
 
 
 def check_materialized(model: torch.nn.Module) -> None:

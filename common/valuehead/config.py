@@ -21,6 +21,8 @@ from transformers import (
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.modeling_layers import GenericForTokenClassification
 
+from ..hl_gauss import CONFIG_KEY, HLGaussHead, HLGaussSupport, support_of
+
 # Written as `architectures` for families without a TokenClassification class: the weights are
 # exactly what transformers' GenericForTokenClassification mixin lays out (model.* + score.*).
 GENERIC_ARCHITECTURE = "GenericForTokenClassification"
@@ -103,7 +105,7 @@ def head_name(config: PretrainedConfig) -> str:
     (gpt2, gpt_neox, bloom). Found on a meta-device instance, so nothing is allocated."""
     cls = _architecture_class(config)
     if cls not in _HEAD_NAMES:
-        probe_config = critic_config(config)
+        probe_config = critic_config(config, value_head=None)
         # Only the module tree matters: eager attention builds anywhere (a config asking for
         # flash_attention_2 on a machine without it must not fail here).
         probe_config._attn_implementation = "eager"
@@ -133,18 +135,35 @@ def text_hidden_size(config: PretrainedConfig) -> int:
     return config.get_text_config().hidden_size
 
 
-def critic_config(hf_config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of `hf_config` set up for a per-token scalar critic; the input is not modified.
+# critic_config's value_head default: keep the head the config declares (scalar when it declares none).
+DECLARED_HEAD = "declared"
 
-    num_labels=1, all head dropouts 0.0 (floats), untied embeddings, `architectures` naming the
-    critic class, and `hidden_size` mirrored from `text_config` for VLMs that lack it at the top.
+
+def critic_config(hf_config: PretrainedConfig, value_head: HLGaussSupport | None | str = DECLARED_HEAD
+                  ) -> PretrainedConfig:
+    """A copy of `hf_config` set up for a per-token critic; the input is not modified.
+
+    num_labels=1 (a scalar head) or, for an HL-Gauss head, num_labels=num_bins with the support in
+    `critic_value_head` (common/hl_gauss.py); all head dropouts 0.0 (floats), untied embeddings,
+    `architectures` naming the critic class, and `hidden_size` mirrored from `text_config` for VLMs
+    that lack it at the top. `value_head`: DECLARED_HEAD keeps the kind `hf_config` declares,
+    None makes it scalar, an HLGaussSupport makes it that.
     Raises ValueError naming the model type when no critic form exists.
     """
+    support = support_of(hf_config) if value_head == DECLARED_HEAD else value_head
     architecture = architecture_name(hf_config)
     config = copy.deepcopy(hf_config)
-    config.num_labels = 1
-    config.id2label = {0: "VALUE"}
-    config.label2id = {"VALUE": 0}
+    if support is None:
+        config.num_labels = 1
+        config.id2label = {0: "VALUE"}
+        config.label2id = {"VALUE": 0}
+        if hasattr(config, CONFIG_KEY):
+            delattr(config, CONFIG_KEY)
+    else:
+        config.num_labels = support.num_bins
+        config.id2label = {k: f"BIN_{k}" for k in range(support.num_bins)}
+        config.label2id = {label: k for k, label in config.id2label.items()}
+        setattr(config, CONFIG_KEY, support.to_dict())
     for name in _ZERO_DROPOUTS:
         setattr(config, name, 0.0)
     config.tie_word_embeddings = False
@@ -156,3 +175,14 @@ def critic_config(hf_config: PretrainedConfig) -> PretrainedConfig:
             config.hidden_size = text_config.hidden_size
     config.architectures = [architecture]
     return config
+
+
+def install_value_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Give a critic built from an HL-Gauss config its HLGaussHead (values from forward, the same
+    parameters); a scalar critic is returned as it is. Call right after building the model."""
+    support = support_of(model.config)
+    name = head_name(model.config)
+    head = getattr(model, name)
+    if support is not None and not isinstance(head, HLGaussHead):
+        setattr(model, name, HLGaussHead.from_linear(head, support))
+    return model

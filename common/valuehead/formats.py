@@ -100,17 +100,20 @@ def detect_format(
     *,
     head_prefix: str | None = None,
     head: str = "score",
+    head_outputs: int = 1,
 ) -> Detection:
     """Decide the checkpoint's format from its tensor names/shapes and config.json.
 
     `head_prefix` names the head explicitly (`<prefix>.weight`, optional `<prefix>.bias`), for
     checkpoints whose head has a name no format here uses (OpenRLHF's --value_head_prefix).
     `head` is the critic class's own head name (`classifier` for gpt_neox/gpt2/bloom TokenCls).
+    `head_outputs`: the head's rows, 1 for a scalar critic, num_bins for an HL-Gauss one (its
+    config.json says which).
     """
     names = index.tensors
     prefix = TRL_WRAPPER_PREFIX if any(k.startswith(TRL_WRAPPER_PREFIX) for k in names) else ""
     storage = "sharded" if index.sharded else "single-file"
-    weight_shape, bias_shape = (1, hidden_size), (1,)
+    weight_shape, bias_shape = (head_outputs, hidden_size), (head_outputs,)
 
     def found(fmt: str, description: str, weight: str, bias: str | None, head_file: str | None = None,
               tensors: dict | None = None, where: str = "the checkpoint") -> Detection:
@@ -156,7 +159,7 @@ def detect_format(
         key = prefix + layout.weight
         if key not in names:
             continue
-        if layout.format == "megatron-export" and names[key].shape[0] != 1:
+        if layout.format == "megatron-export" and names[key].shape[0] != head_outputs:
             continue  # a vocab-sized lm_head: an ordinary causal LM
         bias = prefix + layout.bias if layout.bias else None
         has_bias = bias is not None and bias in names

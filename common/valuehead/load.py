@@ -18,9 +18,11 @@ from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from ._quiet import quiet_transformers
 from .attention import select_attn_implementation
 from .checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
-from .config import critic_class, critic_config, critic_head, head_name, text_hidden_size
+from ..hl_gauss import HLGaussSupport, describe, from_scalar_head, support_of
+from .config import DECLARED_HEAD, critic_class, critic_config, critic_head, head_name, install_value_head, text_hidden_size
 from .errors import CriticLoadError
 from .formats import Detection, detect_format
+from ..hl_gauss import CONFIG_KEY
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,7 +39,8 @@ class LoadReport:
     """The config's model_type."""
     critic_class: str
     head: str
-    """'loaded' when the head weights came from the checkpoint, 'initialized' for a fresh head."""
+    """'loaded' when the head weights came from the checkpoint, 'initialized' for a fresh head,
+    'from-scalar' for an HL-Gauss head started from the checkpoint's scalar head."""
     head_source: list[str]
     """Checkpoint tensors the head was read from (empty for a fresh head)."""
     bias: str
@@ -48,13 +51,16 @@ class LoadReport:
     """Critic tensors the checkpoint did not provide (and were initialised)."""
     unexpected_keys: list[str]
     """Checkpoint tensors the critic does not use (e.g. a causal LM's lm_head)."""
+    value_head: str = "a scalar head"
+    """The kind of head the critic has (common/hl_gauss.py: describe)."""
 
     def __str__(self) -> str:
         lines = [
             f"critic loaded from {self.path}",
             f"  format       {self.format} ({self.description}; {self.storage})",
             f"  family       {self.family} -> {self.critic_class} [{self.dtype}, attention {self.attn_implementation}]",
-            f"  head         {self.head}" + (f" from {', '.join(self.head_source)}" if self.head_source else ""),
+            f"  head         {self.head}" + (f" from {', '.join(self.head_source)}" if self.head_source else "")
+            + f" ({self.value_head})",
             f"  head bias    {self.bias}",
         ]
         if self.missing_keys:
@@ -172,6 +178,33 @@ def _fill_head(model, path: str, index: CheckpointIndex, detection: Detection, f
     return "loaded", "loaded"
 
 
+@torch.no_grad()
+def _zero_head(model) -> tuple[str, str]:
+    """A fresh HL-Gauss head: zero weight and bias, so the distribution is uniform and every value is
+    the support's centre (no seed needed: the same on every rank)."""
+    score = critic_head(model)
+    score.weight.zero_()
+    score.bias.zero_()
+    return "initialized", "zero"
+
+
+@torch.no_grad()
+def _head_from_scalar(model, path: str, index: CheckpointIndex, detection: Detection) -> tuple[str, str]:
+    """The HL-Gauss head centred on the checkpoint's scalar head (hl_gauss.from_scalar_head)."""
+    keys = detection.head_keys
+    if detection.head_file is not None:
+        tensors = load_tensors(path, detection.head_file, keys)
+    else:
+        tensors = {key: load_tensors(path, index.tensors[key].file, [key])[key] for key in keys}
+    weight = tensors[detection.head_weight]
+    bias = tensors[detection.head_bias] if detection.head_bias is not None else None
+    score = critic_head(model)
+    new_weight, new_bias = from_scalar_head(weight, bias, support_of(model.config))
+    score.weight.copy_(new_weight)
+    score.bias.copy_(new_bias)
+    return "from-scalar", "from-scalar"
+
+
 def _shape_mismatch_message(path: str, index: CheckpointIndex, model_cls, config) -> str:
     """Which checkpoint tensors (and files) have shapes the model built from config.json does not."""
     with torch.device("meta"):
@@ -211,18 +244,55 @@ class LoadPlan:
     """The critic class's head attribute (`score`, or `classifier` for some families)."""
     projections: set[str]
     """Vocab-sized output projections the critic leaves unused."""
+    stored_head: HLGaussSupport | None
+    """The head kind the checkpoint's config.json declares (None: scalar)."""
+
+    @property
+    def head_changes(self) -> bool:
+        """The critic's head (config) is of another kind than the checkpoint's."""
+        return support_of(self.config) != self.stored_head
 
 
 def plan_load(path: str, *, config: PretrainedConfig | None = None, head_prefix: str | None = None,
-              trust_remote_code: bool = False) -> LoadPlan:
-    """Read config.json and the tensor headers of `path` and decide how load_critic will load it."""
+              trust_remote_code: bool = False, value_head: HLGaussSupport | None | str = DECLARED_HEAD) -> LoadPlan:
+    """Read config.json and the tensor headers of `path` and decide how load_critic will load it.
+    `value_head`: the critic's head kind (None: scalar, an HLGaussSupport, or DECLARED_HEAD: the
+    checkpoint's own)."""
     config_dict = read_config_dict(path)
-    critic_cfg = critic_config(config if config is not None else load_hf_config(path, config_dict, trust_remote_code))
+    try:
+        stored = None if config_dict.get(CONFIG_KEY) is None else HLGaussSupport.from_dict(
+            config_dict[CONFIG_KEY], where=os.path.join(path, "config.json"))
+    except ValueError as err:
+        raise CriticLoadError(str(err)) from None
+    hf_config = config if config is not None else load_hf_config(path, config_dict, trust_remote_code)
+    critic_cfg = critic_config(hf_config, value_head=stored if value_head == DECLARED_HEAD else value_head)
     index = index_checkpoint(path)
     head = head_name(critic_cfg)
-    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix, head=head)
+    detection = detect_format(index, config_dict, text_hidden_size(critic_cfg), head_prefix=head_prefix, head=head,
+                              head_outputs=stored.num_bins if stored is not None else 1)
     projections = output_projection_keys(index, critic_cfg.get_text_config().vocab_size, detection.backbone_prefix)
-    return LoadPlan(critic_cfg, index, detection, head, projections)
+    return LoadPlan(critic_cfg, index, detection, head, projections, stored)
+
+
+def _check_head_change(path: str, plan: LoadPlan, fresh_head: bool, init_from_scalar_head: bool) -> None:
+    """Refuse a head-kind change load_critic cannot make: an HL-Gauss head is never thrown away
+    silently, and init_from_scalar_head needs an HL-Gauss critic and a scalar head to start from."""
+    target, stored = support_of(plan.config), plan.stored_head
+    if plan.head_changes and stored is not None and not fresh_head:
+        raise CriticLoadError(
+            f"{path} holds {stored.describe()} (config.json {CONFIG_KEY}), but {describe(target)} was asked for: "
+            f"train it with engine.loss.kind=hl_gauss and engine.loss.hl_gauss.num_bins/min_value/max_value/sigma_ratio "
+            f"= {stored.num_bins}/{stored.min_value:g}/{stored.max_value:g}/{stored.sigma_ratio:g}, or start a new head "
+            f"with engine.model.fresh_head=true")
+    if init_from_scalar_head:
+        if target is None:
+            raise CriticLoadError("engine.model.init_from_scalar_head=true starts an HL-Gauss head from a scalar one: "
+                                  "it needs engine.loss.kind=hl_gauss (and the support in engine.loss.hl_gauss)")
+        if plan.head_changes and (fresh_head or plan.detection.head_weight is None):
+            why = "engine.model.fresh_head=true ignores it" if fresh_head else \
+                f"it has none ({plan.detection.format})"
+            raise CriticLoadError(f"engine.model.init_from_scalar_head=true needs the scalar head of {path}, but {why}; "
+                                  f"unset engine.model.init_from_scalar_head to start from a zero head")
 
 
 def load_critic(
@@ -236,6 +306,8 @@ def load_critic(
     fresh_head: bool = False,
     head_init_seed: int = 0,
     adapter_path: str | None = None,
+    value_head: HLGaussSupport | None | str = DECLARED_HEAD,
+    init_from_scalar_head: bool = False,
 ):
     """Load any critic checkpoint as a per-token critic with a `score` head and no `lm_head`.
 
@@ -250,18 +322,29 @@ def load_critic(
       head_init_seed: seed of a fresh head, so that all ranks build the same one.
       adapter_path: a peft LoRA adapter directory of this critic (e.g. engine.export_adapter's):
         its LoRA weights are merged into the base weights and its head replaces the head.
+      value_head: the critic's head: DECLARED_HEAD (default) the checkpoint's own (scalar, or the
+        HL-Gauss head its config.json declares), None a scalar head, or an HLGaussSupport. A scalar
+        checkpoint gets a zero HL-Gauss head (or, with init_from_scalar_head, one started from its
+        scalar head); an HL-Gauss checkpoint asked for another head is an error unless fresh_head.
+      init_from_scalar_head: see value_head (common/hl_gauss.py: from_scalar_head).
 
-    Returns (model, LoadReport). The model is in eval mode.
+    Returns (model, LoadReport). The model is in eval mode; an HL-Gauss critic's forward returns
+    values ([B, T, 1] `.logits`) like a scalar one (common/hl_gauss.py).
     """
     path = os.fspath(path)
-    plan = plan_load(path, config=config, head_prefix=head_prefix, trust_remote_code=trust_remote_code)
+    plan = plan_load(path, config=config, head_prefix=head_prefix, trust_remote_code=trust_remote_code,
+                     value_head=value_head)
     critic_cfg, index, detection, head_attr = plan.config, plan.index, plan.detection, plan.head
-    if fresh_head:
+    _check_head_change(path, plan, fresh_head, init_from_scalar_head)
+    scalar_source = detection if plan.head_changes and init_from_scalar_head else None
+    # A head of another kind is not loaded: the checkpoint's is read aside (and used by from_scalar).
+    new_head = fresh_head or plan.head_changes
+    if new_head:
         detection = dataclasses.replace(detection, head_file=None)
     model_cls = critic_class(critic_cfg)
     attn = select_attn_implementation(model_cls, attn_implementation)
 
-    key_mapping = detection.key_mapping(head_attr, include_head=not fresh_head)
+    key_mapping = detection.key_mapping(head_attr, include_head=not new_head)
     try:
         # fork_rng: transformers initialises whatever the checkpoint lacks from the global RNG; loading
         # a critic must not change the caller's random stream (the fresh head has its own generator).
@@ -274,13 +357,27 @@ def load_critic(
                 key_mapping=key_mapping or None,
                 trust_remote_code=trust_remote_code,
                 output_loading_info=True,
+                # A head of another kind (HL-Gauss from a scalar one) has another shape; every other
+                # mismatch is still refused (_check_loading_info).
+                ignore_mismatched_sizes=plan.head_changes,
             )
     except RuntimeError as err:
         if "mismatched_sizes" not in str(err):
             raise
         raise CriticLoadError(_shape_mismatch_message(path, index, model_cls, critic_cfg)) from None
-    missing, unexpected = _check_loading_info(path, info, detection, head_attr, fresh_head, plan.projections)
-    head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
+    install_value_head(model)
+    if plan.head_changes:  # a stored head under the critic's own names does not fit: not loaded (reported)
+        head_keys = {f"{head_attr}.weight", f"{head_attr}.bias"}
+        info["unexpected_keys"] = sorted({*info["unexpected_keys"],
+                                          *(k for k, *_ in info["mismatched_keys"] if k in head_keys)})
+        info["mismatched_keys"] = [m for m in info["mismatched_keys"] if m[0] not in head_keys]
+    missing, unexpected = _check_loading_info(path, info, detection, head_attr, new_head, plan.projections)
+    if scalar_source is not None:
+        head, bias = _head_from_scalar(model, path, index, scalar_source)
+    elif plan.head_changes and not fresh_head:
+        head, bias = _zero_head(model)
+    else:
+        head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
     if adapter_path is not None:
         from ..lora import merge_adapter
 
@@ -307,5 +404,6 @@ def load_critic(
         dtype=str(torch_dtype).removeprefix("torch."),
         missing_keys=missing,
         unexpected_keys=unexpected,
+        value_head=describe(support_of(critic_cfg)),
     )
     return model, report

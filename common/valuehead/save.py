@@ -1,7 +1,8 @@
 """save_critic: write a critic as a plain Hugging Face `*ForTokenClassification` checkpoint.
 
 `AutoModelForTokenClassification.from_pretrained(out_dir)` loads the result with no missing or
-unexpected keys. Families transformers has no TokenClassification class for get the same tensors
+unexpected keys. An HL-Gauss critic is written with num_labels = num_bins and its support in
+config.json (`critic_value_head`); plain transformers then returns its bin logits, load_critic its values. Families transformers has no TokenClassification class for get the same tensors
 (`model.*` + `score.*`) with `architectures=["GenericForTokenClassification"]`, which load_critic
 reads back (docs/ARCHITECTURE.md, "Generic layout").
 """
@@ -15,6 +16,7 @@ import torch
 
 from ..atomic_dir import atomic_directory
 from ._quiet import quiet_transformers
+from ..hl_gauss import describe, support_of
 from .config import architecture_name, critic_config, critic_head, head_name
 
 
@@ -32,8 +34,11 @@ def save_critic(
     `out_dir` is an error unless `overwrite=True`.
     """
     head = critic_head(model)
-    if head.out_features != 1:
-        raise ValueError(f"save_critic expects a scalar critic (a head with 1 output), got {head.out_features}")
+    support = support_of(model.config)
+    expected = 1 if support is None else support.num_bins
+    if head.out_features != expected:
+        raise ValueError(f"save_critic: the head has {head.out_features} outputs, but the config declares "
+                         f"{describe(support)} ({expected})")
     config = critic_config(model.config)
     with atomic_directory(os.fspath(out_dir), overwrite=overwrite) as staging:
         original_config = model.config

@@ -1,9 +1,11 @@
-"""compute_values: per-token scalar values from a critic, never touching a vocab projection."""
+"""compute_values: per-token scalar values from a critic, never touching a vocab projection (and
+compute_bin_logits: an HL-Gauss critic's bin logits, for training)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..hl_gauss import bin_logits, support_of
 from ..packed_attention import sequence_bounds
 
 
@@ -41,7 +43,8 @@ def compute_values(
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values [B, T] in float32 (even for a bf16 model), unshifted: entry t is the critic's output
-    at position t, the state after token t.
+    at position t, the state after token t. For an HL-Gauss critic (common/hl_gauss.py) they are
+    the expectations over its bins.
 
     The value OF token t (what old values and returns are aligned with) is entry t - 1: verl,
     OpenRLHF, trl and NeMo-RL all read it there, and common.engine.shift_to_tokens does the shift.
@@ -52,6 +55,38 @@ def compute_values(
     transformers' own attentions build a per-sequence mask from the positions. A 2-D padding mask
     would let packed sequences attend to each other, so it is refused unless it is all ones.
     """
+    logits = _head_outputs(model, input_ids, attention_mask, position_ids)
+    if logits.dim() != 3 or logits.shape[-1] != 1 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for input_ids "
+            f"{tuple(input_ids.shape)}; a per-token critic returns [B, T, 1]. "
+            f"{'A sequence classifier gives one value per sequence. ' if logits.dim() == 2 else ''}"
+            f"Load it with common.valuehead.load_critic, which builds a per-token critic from any "
+            f"critic, reward-model or causal-LM checkpoint (and gives an HL-Gauss critic's values, not its bins)."
+        )
+    return logits.squeeze(-1).float()  # (B, T, 1) -> (B, T)
+
+
+def compute_bin_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An HL-Gauss critic's bin logits [B, T, K] in float32, positioned as compute_values'."""
+    support = support_of(model.config)
+    if support is None:
+        raise ValueError(f"{type(model).__name__} is a scalar critic: it has no bin logits (use compute_values)")
+    with bin_logits(model):
+        logits = _head_outputs(model, input_ids, attention_mask, position_ids)
+    if tuple(logits.shape) != (*input_ids.shape, support.num_bins):
+        raise ValueError(f"{type(model).__name__} returned {tuple(logits.shape)} bin logits for input_ids "
+                         f"{tuple(input_ids.shape)}; expected [B, T, {support.num_bins}]")
+    return logits.float()
+
+
+def _head_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """The critic's `.logits` on these rows (packed rows with their sequence bounds)."""
     if position_ids is not None and is_packed(position_ids):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError(
@@ -65,13 +100,4 @@ def compute_values(
         with sequence_bounds(position_ids):
             output = model(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=model_position_ids(model.config, position_ids), use_cache=False)
-    logits = output.logits
-    if logits.dim() != 3 or logits.shape[-1] != 1 or logits.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for input_ids "
-            f"{tuple(input_ids.shape)}; a per-token critic returns [B, T, 1]. "
-            f"{'A sequence classifier gives one value per sequence. ' if logits.dim() == 2 else ''}"
-            f"Load it with common.valuehead.load_critic, which builds a per-token critic from any "
-            f"critic, reward-model or causal-LM checkpoint."
-        )
-    return logits.squeeze(-1).float()  # (B, T, 1) -> (B, T)
+    return output.logits
