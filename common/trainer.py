@@ -320,7 +320,10 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
     if trainer.export_hf:
         export_dir = os.path.join(run_dir, "hf_export")
         engine.export_hf(export_dir)
-        say(f"exported {export_dir} (load it with transformers.AutoModelForTokenClassification)")
+        if config.engine.loss.support is None:
+            say(f"exported {export_dir} (load it with transformers.AutoModelForTokenClassification)")
+        else:  # plain transformers would give its bin logits
+            say(f"exported {export_dir} (an HL-Gauss critic: load it with common.valuehead.load_critic for its values)")
     metrics_log.close()
     say(f"metrics: {metrics_log.path}" + (f", TensorBoard logs: {os.path.join(run_dir, 'tensorboard')}"
                                           if trainer.tensorboard else ""))

@@ -6,7 +6,7 @@ not trivial. Every data-parallel rank trains on its own rollout (conformance.wor
 writes WORKDIR/result.pt: values right after building and after one update, that update's metrics,
 the next update's metrics and values, and those of a second engine resumed from a checkpoint taken
 after the first update; the HF export before the update goes to WORKDIR/export_before, after it to
-WORKDIR/export_after.
+WORKDIR/export_after; and what a scalar (mse) engine says when asked to load that checkpoint.
 """
 
 import os
@@ -51,8 +51,17 @@ def main():
     resumed_metrics = resumed.update(batch)
     resumed_values = resumed.compute_values(batch.input_ids, batch.attention_mask)
     resumed.close()
+    # The same checkpoint under a scalar (mse) engine: refused, naming the keys.
+    scalar = build_engine(backend, EngineConfig(model=ModelConfig(path=model_dir), parallel=config.parallel), dist)
+    try:
+        scalar.load_checkpoint(checkpoint)
+        scalar_error = None
+    except ValueError as err:
+        scalar_error = str(err)
+    scalar.close()
     finish(engine, dist, workdir, {"values_before": values_before, "values_after": values_after, "metrics": metrics,
-                                   "next": (next_metrics, next_values), "resumed": (resumed_metrics, resumed_values)})
+                                   "next": (next_metrics, next_values), "resumed": (resumed_metrics, resumed_values),
+                                   "scalar_error": scalar_error})
 
 
 if __name__ == "__main__":

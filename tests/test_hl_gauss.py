@@ -127,6 +127,9 @@ def test_a_checkpoint_resumes_bit_identically_and_names_the_head(run):
     assert result["fingerprint"]["value_head"]["num_bins"] == SUPPORT.num_bins
     meta = json.loads((work / "checkpoint" / "critic_checkpoint.json").read_text())
     assert meta["fingerprint"]["value_head"]["kind"] == "hl_gauss"
+    assert result["scalar_error"] is not None and result["scalar_error"].endswith(
+        "holds a critic with an HL-Gauss head (21 bins over [-3, 3], sigma_ratio 0.75), but this engine has a scalar "
+        "head: resume it with the engine.loss.kind and engine.loss.hl_gauss settings it was trained with")
 
 
 def test_megatron_tp2_and_the_fsdp_engine_agree(base_dir, tmp_path_factory):

@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from ..hl_gauss import describe
 from .config import critic_class, text_hidden_size
 from .errors import CriticLoadError
 from .load import load_critic, plan_load
@@ -51,6 +52,7 @@ def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remot
         "num_tensors": len(index.tensors),
         "weight_files": list(index.weight_files) + ([index.sidecar] if index.sidecar else []),
         "head": {key: list(tensors[key].shape) for key in detection.head_keys},
+        "value_head": describe(plan.stored_head),
         "would_initialise": initialised,
         "ignored": ignored,
     }
@@ -62,7 +64,7 @@ def _print_inspection(info: dict) -> None:
     print(f"storage       {info['storage']}: {', '.join(info['weight_files'])} ({info['num_tensors']} tensors)")
     print(f"family        {info['family']} -> {info['critic_class']} (hidden size {info['hidden_size']})")
     head = ", ".join(f"{k} {v}" for k, v in info["head"].items()) or "none (a fresh head will be created)"
-    print(f"head          {head}")
+    print(f"head          {head}" + (f" ({info['value_head']})" if info["head"] else ""))
     print(f"initialise    {', '.join(info['would_initialise']) or 'nothing'}")
     print(f"ignore        {', '.join(info['ignored']) or 'nothing'}")
 
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                         adapter_path=args.adapter)
             print(report)
             out = save_critic(model, args.dst)
-            print(f"wrote {out} ({model.config.architectures[0]}, num_labels=1)")
+            print(f"wrote {out} ({model.config.architectures[0]}, num_labels={model.config.num_labels})")
         elif args.command == "values":
             load_kwargs = {"head_prefix": args.head_prefix, "trust_remote_code": args.trust_remote_code}
             if args.rollouts:

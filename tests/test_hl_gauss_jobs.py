@@ -1,0 +1,65 @@
+"""The training job with an HL-Gauss critic (`engine.loss.kind=hl_gauss`) through each backend's
+launcher, on 2 gloo processes: the default job learns, a run killed after a checkpoint resumes to
+bit-identical weights, and resuming it as a scalar (mse) critic is refused naming the key."""
+
+import os
+
+import pytest
+import torch
+
+from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
+                                                   run_pytest)
+from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after
+from critic_adapters.common.valuehead import compute_values, load_critic
+
+BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
+# The default data's returns lie in [-1.25, 1.25] (docs/DATA.md: the embedded rollouts).
+HL_GAUSS = ["engine.loss.kind=hl_gauss", "engine.loss.clip_range=null", "engine.loss.hl_gauss.min_value=-1.5",
+            "engine.loss.hl_gauss.max_value=1.5"]
+
+
+def _module(backend: str) -> str:
+    return f"critic_adapters.backends.{backend}.train"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_default_job_learns_with_an_hl_gauss_critic(backend, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={run_dir}", *HL_GAUSS,
+                          "trainer.tensorboard=false", "trainer.progress=false")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert final_explained_variance(result.stdout) >= 0.5
+    # The export is an HL-Gauss critic of 51 bins whose values (through our loader) are the run's.
+    critic, report = load_critic(str(run_dir / "hf_export"))
+    assert critic.config.num_labels == 51 and "51 bins over [-1.5, 1.5]" in report.value_head
+    ids = torch.tensor([[1, 12, 500, 501, 502, 503]])
+    with torch.no_grad():
+        values = compute_values(critic, ids, torch.ones_like(ids))
+    assert values.shape == (1, 6) and float(values.abs().max()) <= 1.5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_killed_hl_gauss_run_resumes_to_identical_weights(backend, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    result = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={whole}", *HL_GAUSS, *SHORT_JOB)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    run_launcher_killed_after(_module(backend), 8, "--nproc", "2", f"trainer.run_dir={killed}", *HL_GAUSS, *SHORT_JOB)
+    if backend == "fsdp":  # resuming the HL-Gauss run as an mse critic: one line naming the key, nothing written
+        before = sorted(os.listdir(killed / "checkpoints"))
+        refused = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *HL_GAUSS, *SHORT_JOB,
+                               "engine.loss.kind=mse", "--resume")
+        assert refused.returncode != 0
+        assert "engine.loss.kind: 'hl_gauss' in the run, 'mse' now" in refused.stderr, refused.stderr[-2000:]
+        assert sorted(os.listdir(killed / "checkpoints")) == before
+
+    resumed = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *HL_GAUSS, *SHORT_JOB,
+                           "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout
+    assert_same_exported_weights(whole, killed)
+    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
