@@ -33,7 +33,8 @@ trainer:
   epochs: 1
   save_every_steps: 0
 """
-PLACEHOLDERS = {"CKPT": "tiny-model", "SRC": "tiny-model", "DST": "tiny-critic"}
+PLACEHOLDERS = {"CKPT": "tiny-model", "SRC": "tiny-model", "DST": "tiny-critic",
+                "engine.model.path=CKPT": "engine.model.path=tiny-model"}
 # Lines not run here, each with the reason; every one must still be in the README.
 NOT_RUN = {
     "./run.sh main": "the fsdp launcher line it execs is what backends/fsdp/tests/test_training_job.py runs",
@@ -95,7 +96,8 @@ def test_every_readme_command_runs_as_written(tmp_path):
     # The commands did what the README says they do.
     assert (tmp_path / "tiny-critic" / "config.json").is_file()
     assert (tmp_path / "values.parquet").is_file()
-    for run in ("outputs/my-run", "outputs/megatron-default", "outputs/tp2-pp2", "outputs/veomni-default"):
+    for run in ("outputs/my-run", "outputs/megatron-default", "outputs/tp2-pp2", "outputs/veomni-default",
+                "outputs/warm-critic"):
         assert (tmp_path / run / "hf_export" / "config.json").is_file(), run
     import json
 

@@ -9,6 +9,7 @@ in-memory tokenizer; nothing downloaded) and checks that:
   - the critic trained: its head and its backbone weights changed;
   - common.valuehead.compute_values equals trl's own value path (get_reward) on the same ids;
   - the critic's state_dict holds the head once, under its own name (a `score` alias adds no keys).
+The same holds for an HL-Gauss qwen2 critic: trl's value path reads values from its head, never bins.
 """
 
 import copy
@@ -22,6 +23,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
+from critic_adapters.common.hl_gauss import HLGaussSupport
 from critic_adapters.common.testdata import save_tiny_causal_lm, tiny_causal_lm, tiny_config
 from critic_adapters.common.tests.helpers import VOCAB, assert_close_on_mask, padded_batch, run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic
@@ -38,6 +40,8 @@ BATCH = 2
 PPO_UPDATES = 2
 # The critic's own head attribute per family: the only head keys its state_dict may hold.
 HEADS = {"qwen2": "score", "gpt_neox": "classifier"}
+# An HL-Gauss critic (common/hl_gauss.py): trl reads its head's output, which is the values.
+HL_GAUSS = HLGaussSupport(num_bins=21, min_value=-1.0, max_value=3.0)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -103,11 +107,13 @@ def changed(before: dict, after: dict, prefix: str) -> list[str]:
 
 # trl logs the variance of a single-element stats tensor (one epoch, one minibatch): harmless here.
 @pytest.mark.filterwarnings("ignore:var\\(\\)")
-@pytest.mark.parametrize("family", list(HEADS))
-def test_ppo_trainer_trains_critic(family, tmp_path):
+@pytest.mark.parametrize("family, value_head", [(family, None) for family in HEADS] + [("qwen2", HL_GAUSS)],
+                         ids=[*HEADS, "qwen2-hl_gauss"])
+def test_ppo_trainer_trains_critic(family, value_head, tmp_path):
     torch.manual_seed(0)
-    critic, report = load_critic(save_tiny_causal_lm(family, str(tmp_path / "critic"), seed=1))
+    critic, report = load_critic(save_tiny_causal_lm(family, str(tmp_path / "critic"), seed=1), value_head=value_head)
     head = HEADS[family]
+    assert (critic.config.num_labels == 21) == (value_head is not None), report
     backbone = critic.base_model_prefix
     keys = list(critic.state_dict())
     assert_no_aliased_tensors(critic)
