@@ -52,7 +52,7 @@ from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ParallelMesh
 from .registry import check_engine_config
 from .transforms import engine_transforms, export_state_dict, trainable_parameters, transform_names
-from .update_step import StepStats, plan_step, step_micro_batches
+from .update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from .valuehead import save_critic
 from .valuehead.attention import flash_attention_available
 from .valuehead.values import compute_bin_logits, compute_values
@@ -189,12 +189,49 @@ class FSDP2Engine(abc.ABC):
                              seconds=time.perf_counter() - start, dp_group=self.dp_group)
 
     def _clip_and_step(self) -> float:
+        norm = self.step_optimizer()
+        self.scheduler.step()
+        return norm
+
+    # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward (and backward) over these rows as a single packed micro-batch: the caller
+        sizes them, as verl's micro-batches are. `loss_fn(values)` gets the float32 [B, T] values
+        (unshifted, on the device, with gradients) and returns a scalar loss that is backpropagated
+        as it is: FSDP averages gradients over the data-parallel ranks, so a loss normalised over
+        the global batch carries a factor dp_size (verl's agg_loss does). Gradients accumulate
+        until step_optimizer. loss_fn None: values only, no graph. Every data-parallel rank calls
+        it the same number of times. Returns (values, detached; the loss, detached, or None)."""
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
+        train = loss_fn is not None
+        self.model.train(train)
+        mb = whole_micro_batch(input_ids, attention_mask, self.config.batching, group=self.dp_group)
+        with torch.set_grad_enabled(train):
+            rows, raw = self._forward(mb, input_ids.shape[1])
+            values = rows.new_zeros(input_ids.shape).index_put((torch.tensor(mb.rows, device=rows.device),), rows) \
+                if mb.rows else rows.new_zeros(input_ids.shape)
+            loss = None
+            if train:
+                loss = loss_fn(values) if mb.rows else raw.sum() * 0.0
+                with quiet_fsdp_views():
+                    loss.backward()
+        if not train:
+            self._settle()
+        return values.detach(), None if loss is None else loss.detach()
+
+    def zero_grad(self) -> None:
+        """Drop the gradients forward_backward accumulated (step_optimizer does so after stepping)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step_optimizer(self) -> float:
+        """Clip (engine.optim.grad_clip) and step on the accumulated gradients, then zero them;
+        returns the global gradient norm before clipping. The LR schedule is stepped apart."""
         max_norm = self.config.optim.grad_clip
         norm = self._grad_norm(max_norm if max_norm is not None else float("inf"))
         if isinstance(norm, DTensor):  # when the parameters are sharded
             norm = norm.full_tensor()
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 

@@ -63,6 +63,16 @@ def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, ba
                               micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
 
 
+def whole_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig,
+                      group=None) -> MicroBatch:
+    """All of this rank's rows as one micro-batch (packed or padded as `batching` says), for a host
+    that sizes its own micro-batches (forward_backward); collective over `group`."""
+    (budget,) = all_reduce([max(int(attention_mask.sum()), 1)], op="max", group=group)
+    whole = dataclasses.replace(batching, micro_batch_tokens=int(budget), micro_batch_size=None)
+    (micro_batch,) = step_micro_batches(input_ids, attention_mask, whole, group=group)
+    return micro_batch
+
+
 class StepStats:
     """Loss and statistics of one update step, accumulated over its micro-batches as tensors."""
 

@@ -4,7 +4,8 @@
 #   2. .venv/ with torch (first, so nothing pulls a CUDA build), the pinned packages (ray for the
 #      Ray integration among them), and this checkout itself as the package `critic_adapters`
 #      (editable: pip install -e .);
-#   3. the side trl versions for the trl matrix test, in .overlays/ (never in the venv).
+#   3. the side trl versions for the trl matrix test, in .overlays/ (never in the venv);
+#   4. verl 0.9.1 with transformers 5.10.4 for the verl engine tests, in .overlays/verl-0.9.1.
 # Re-running does nothing when nothing changed (a stamp records what .venv was built from).
 #
 # Environment:
@@ -76,4 +77,18 @@ grep -v '^#' requirements/trl-overlays.txt | while read -r version; do
     touch "$target/.complete"
   fi
 done
+# --- 4. the verl environment (for tests/verl), an overlay over the venv ------------------------------
+target=.overlays/verl-0.9.1
+verl_stamp=$(sha256sum requirements/verl-overlay.txt | cut -d' ' -f1)
+if [ "$(cat "$target/.complete" 2>/dev/null)" != "$verl_stamp" ]; then
+  log "installing verl 0.9.1 and transformers 5.10.4 into $target (overlay, not in the venv)"
+  rm -rf "$target"
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target "$target" -r requirements/verl-overlay.txt \
+    2>&1 | grep -v "^WARNING: Location" || true
+  # verl's wheel also installs top-level `tests` and `scripts` packages: removed, so they shadow nothing.
+  rm -rf "$target/tests" "$target/scripts" "$target/bin"
+  PYTHONPATH="$PWD/$target" .venv/bin/python -c "import verl, tensordict, transformers; assert transformers.__version__ == '5.10.4'" \
+    2>/dev/null || { log "the verl overlay does not import"; exit 1; }
+  echo "$verl_stamp" > "$target/.complete"
+fi
 log "ready: .venv ($(.venv/bin/python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"

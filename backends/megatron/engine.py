@@ -35,7 +35,7 @@ from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.hl_gauss import head_values
 from ...common.mesh import ParallelMesh
 from ...common.registry import check_engine_config
-from ...common.update_step import StepStats, plan_step, step_micro_batches
+from ...common.update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from ...common.lora import base_state, injected_names, write_adapter
 from ...common.transforms import apply_transforms, engine_transforms, export_state_dict, transform_names
 from ...common.valuehead import load_critic
@@ -121,6 +121,7 @@ class MegatronCriticEngine:
         self.optimizer = parallelize.build_optimizer(self.model, config.optim, bf16)
         self.scheduler = parallelize.LRSchedule(self.optimizer, config.optim)
         self.vocab_size = self.hf_config.vocab_size
+        self._accumulating = False  # forward_backward calls since the last step_optimizer
         # Sequence parallelism splits every micro-batch's sequence over the tensor ranks.
         self._multiple = tp if config.parallel.sequence_parallel else 1
 
@@ -212,6 +213,61 @@ class MegatronCriticEngine:
         # rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
         return stats.metrics(grad_norm=float(grad_norm), lr=lr, tokens=float(batch.attention_mask.sum()),
                              seconds=time.perf_counter() - start, counts=self.last_stage and self.tp_rank == 0)
+
+    # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """common.fsdp2_core.FSDP2Engine.forward_backward's contract through megatron's schedule: one
+        micro-batch of these rows; loss_fn(values [B, T] float32, unshifted, with gradients) on the
+        last pipeline stage, backpropagated as it is (DDP averages gradients over the data-parallel
+        ranks). Returns (values, the loss or None) on every rank (tensor and pipeline peers too)."""
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size)
+        train = loss_fn is not None
+        self.model.train(train)
+        if train and self._accumulating and self.config.parallel.sequence_parallel:
+            # Each schedule run finalises the gradient buffer; under sequence parallelism that sums
+            # the norm weights' gradients over the tensor group, and a second run would sum the
+            # first run's part again.
+            raise ValueError("forward_backward with engine.parallel.sequence_parallel=true takes one call per "
+                             "optimizer step: pass the whole mini-batch at once, or turn sequence_parallel off")
+        if train and not self._accumulating:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._accumulating = self._accumulating or train
+        micro_batches = [whole_micro_batch(input_ids, attention_mask, self.config.batching,
+                                           group=self.parallel.world_group)]
+        values = torch.zeros(input_ids.shape, dtype=torch.float32)
+        loss_out = torch.zeros(1, dtype=torch.float32)
+
+        def closure(mb, inputs, output):
+            if not mb.rows:
+                return output.sum() * 0.0, {}
+            rows = mb.unpack(head_values(inputs.crop(output), self.support), input_ids.shape[1])
+            full = rows.new_zeros(input_ids.shape).index_put((torch.tensor(mb.rows, device=rows.device),), rows)
+            values.copy_(full.detach().float().cpu())
+            if not train:
+                return output.sum() * 0.0, {}
+            loss = loss_fn(full)
+            loss_out.copy_(loss.detach().float().cpu().reshape(1))
+            return loss * len(micro_batches), {}  # the schedule divides by the micro-batch count
+
+        self._run(micro_batches, closure, forward_only=not train)
+        self._share_from_last_stage(values)
+        self._share_from_last_stage(loss_out)
+        return values, loss_out[0] if train else None
+
+    def zero_grad(self) -> None:
+        """Drop the gradients forward_backward accumulated (its next call starts from zero)."""
+        self._accumulating = False
+
+    def step_optimizer(self) -> float:
+        """megatron's optimizer step on the accumulated gradients (clipping included); returns the
+        gradient norm before clipping. The LR schedule is stepped apart."""
+        with compat.cuda_to_cpu():
+            _, grad_norm, _ = self.optimizer.step()
+        self.optimizer.zero_grad()
+        self._accumulating = False
+        return float(grad_norm)
 
     def checkpoint_bytes(self) -> int:
         """About how many bytes save_checkpoint writes (all ranks): fp32 weights and Adam's two

@@ -1,0 +1,201 @@
+"""Our critic engine in verl's engine slot: a verl BaseEngine (model_type value_model, backend
+critic_adapters) over any of our backends, as verl's TrainingWorker drives it.
+
+verl's TrainingWorker builds it with EngineRegistry.new(...), asks for its data-parallel
+coordinates, calls initialize() (reset), then per mini-batch optimizer_zero_grad,
+forward_backward_batch and optimizer_step, and lr_scheduler_step per update. Batches are
+TensorDicts of nested (jagged) input_ids / position_ids, one entry per valid token of each
+sequence (verl's left_right_2_no_padding). This engine:
+
+  - splits them into verl's micro-batches (verl.workers.engine.utils.prepare_micro_batches: the
+    micro_batch_size_per_gpu or max_token_len_per_gpu the data carries), the same count on every
+    data-parallel rank;
+  - runs each as one packed forward of our engine (engine.forward_backward), with the values laid
+    out as verl's value engines give them: a jagged tensor, one value per valid token, unshifted
+    (verl's no_padding_2_padding reads a token's value at the position before it, as we do);
+  - calls the loss function verl passes (its value_loss) on them and backpropagates that loss as
+    it is: verl normalises it over the global batch with a factor dp_size, and our FSDP and DDP
+    average gradients over the data-parallel ranks, as verl's own engines do;
+  - returns verl's output layout (postprocess_batch_func): model_output.values, loss, metrics.
+
+Checkpoints are our engine's (save_checkpoint / load_checkpoint at verl's local_path; any of our
+backends' formats, resharded on load). The critic comes from any format load_critic reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+from ...common.distributed import all_reduce, init_distributed
+from ...common.registry import build_engine, check_engine_config
+from .config import STRATEGY, engine_config_from_verl
+
+DEVICES = ["cpu", "cuda", "npu"]
+
+
+def padded_rows(micro_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [B, L] right-padded with 0, attention_mask [B, L], offsets) of a micro-batch
+    whose input_ids are nested (jagged); its position ids must be each sequence's 0..n-1."""
+    ids = micro_batch["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise ValueError("the critic_adapters engine takes verl's no-padding batches (nested input_ids, from "
+                         "left_right_2_no_padding or the v1 trainer); got a padded tensor")
+    offsets = ids.offsets()
+    lengths = offsets.diff().cpu()
+    padded = torch.nested.to_padded_tensor(ids, 0).cpu()
+    mask = (torch.arange(padded.shape[1])[None] < lengths[:, None]).long()
+    positions = micro_batch.get("position_ids", None)
+    if positions is not None:
+        if not getattr(positions, "is_nested", False) or positions.values().dim() != 1:
+            raise ValueError("the critic_adapters engine takes 1-D text position ids (nested, one per token); "
+                             "multimodal 3-D positions are not supported in verl's engine slot")
+        expected = torch.cat([torch.arange(int(n)) for n in lengths])
+        if not torch.equal(positions.values().cpu(), expected):
+            raise ValueError("the critic_adapters engine needs each sequence's position ids to be 0..n-1 (what "
+                             "left_right_2_no_padding gives for left-padded prompts and right-padded responses)")
+    return padded * mask, mask, offsets
+
+
+def as_nested(values: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[B, L] values at every position -> verl's jagged layout: one value per valid token."""
+    flat = values[mask.to(values.device).bool()]
+    return torch.nested.nested_tensor_from_jagged(flat, offsets=offsets.to(flat.device))
+
+
+class CriticAdaptersEngine(BaseEngine):
+    """verl's value-model engine interface over a critic-adapters engine (see the module docstring)."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, **unused):
+        super().__init__()
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        self.mode = None
+        self.backend, self.config = engine_config_from_verl(model_config, engine_config, optimizer_config)
+        check_engine_config(self.backend, self.config)
+        self.dist = init_distributed()  # joins the process group verl's worker started
+        # Built now: verl asks for the data-parallel coordinates before initialize().
+        self.engine = build_engine(self.backend, self.config, self.dist)
+        self._initialized = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def initialize(self):
+        """The first call keeps the engine built at construction; a later one (a reset) rebuilds it."""
+        if self._initialized:
+            self.engine.close()
+            self.engine = build_engine(self.backend, self.config, self.dist)
+        self._initialized = True
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False  # engine.cpu_offload is FSDP2's own policy: nothing for verl to move
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    def train_mode(self, **kwargs):
+        return BaseEngineCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return BaseEngineCtx(self, "eval", **kwargs)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        if (model or optimizer) and torch.device(device).type != self.dist.device.type:
+            raise NotImplementedError(f"the critic_adapters engine keeps its model on {self.dist.device}; to hold "
+                                      f"parameters and optimizer state in CPU memory set critic_adapters.cpu_offload")
+
+    # -- coordinates -----------------------------------------------------------------------------------
+    def get_data_parallel_rank(self):
+        return self.engine.dp_rank
+
+    def get_data_parallel_size(self):
+        return self.engine.dp_size
+
+    def get_data_parallel_group(self):
+        # verl all-gathers metrics over it; a world of one still needs a real group.
+        return self.engine.dp_group if self.engine.dp_group is not None else torch.distributed.group.WORLD
+
+    def is_mp_src_rank_with_outputs(self):
+        """One rank per data-parallel share reports outputs: megatron's first tensor rank of the
+        last pipeline stage; every rank of the FSDP2-based backends."""
+        if self.backend == "megatron":
+            return self.engine.tp_rank == 0 and self.engine.last_stage
+        return True
+
+    # -- the step --------------------------------------------------------------------------------------
+    def optimizer_zero_grad(self):
+        self.engine.zero_grad()
+
+    def optimizer_step(self):
+        """Clip (critic.optim.clip_grad) and step; the global gradient norm before clipping."""
+        return self.engine.step_optimizer()
+
+    def lr_scheduler_step(self):
+        self.engine.scheduler.step()
+        return self.engine.scheduler.get_last_lr()[0]
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """verl's micro-batches through our engine; verl's output layout (see the module docstring)."""
+        group = self.get_data_parallel_group()
+        (tokens,) = all_reduce([float(data["loss_mask"].sum())], group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=int(tokens))
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        device = self.dist.device
+        outputs = []
+        for micro_batch in micro_batches:
+            micro_batch = micro_batch.to(device)
+            input_ids, mask, offsets = padded_rows(micro_batch)
+            metrics: dict = {}
+
+            def verl_loss(values):
+                loss, found = loss_function(model_output={"values": as_nested(values, mask, offsets)},
+                                            data=micro_batch, dp_group=group)
+                metrics.update(found)
+                return loss
+
+            train = loss_function is not None and not forward_only
+            values, loss = self.engine.forward_backward(input_ids, mask, verl_loss if train else None)
+            nested = as_nested(values.to(device), mask, offsets)
+            if loss_function is not None and not train:  # evaluation with a loss: verl reports it too
+                loss, found = loss_function(model_output={"values": nested}, data=micro_batch, dp_group=group)
+                metrics.update(found)
+            output = {"loss": 1.0 if loss is None else float(loss), "metrics": metrics}
+            if forward_only or return_model_output:
+                output["model_output"] = {"values": nested}
+            outputs.append(output)
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        """Our engine's checkpoint at `local_path` (a complete directory or none: common/checkpoints.py).
+        verl's trainer puts each step in its own directory and rotates them; max_ckpt_to_keep is its."""
+        if hdfs_path is not None:
+            raise ValueError(f"save_checkpoint(hdfs_path={hdfs_path!r}): the critic_adapters engine writes local "
+                             f"directories only; copy local_path yourself")
+        self.engine.save_checkpoint(local_path, {"global_step": int(global_step)})
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        """Restore model, optimizer, LR schedule and RNG from our checkpoint at `local_path` (it is
+        never deleted: del_local_after_load does not apply to a local checkpoint)."""
+        if hdfs_path is not None:
+            raise ValueError(f"load_checkpoint(hdfs_path={hdfs_path!r}): the critic_adapters engine reads local "
+                             f"directories only")
+        return self.engine.load_checkpoint(local_path)
+
+    def get_per_tensor_param(self, *args, **kwargs):
+        raise NotImplementedError("the critic_adapters engine is a value model: verl syncs no critic weights to "
+                                  "rollout engines; export it with the engine's export_hf")
+
+
+def register() -> None:
+    """Register the engine with verl (once per process: verl refuses a second registration)."""
+    engines = EngineRegistry._engines.get("value_model", {}).get(STRATEGY, {})
+    if all(engines.get(device) is CriticAdaptersEngine for device in DEVICES):
+        return
+    EngineRegistry.register(model_type="value_model", backend=STRATEGY, device=DEVICES)(CriticAdaptersEngine)

@@ -1,0 +1,118 @@
+"""Our critic in verl 0.9.1's engine slot, driven by verl's own TrainingWorker (no Ray, CPU, fp32)
+in the verl overlay (tools/setup.sh: .overlays/verl-0.9.1, transformers 5.10.4), one process per
+check (verl_worker.py): values equal our compute_values, one update equals verl's own fsdp2
+value-model engine on the same weights, a checkpoint resumes bit-identically, and critics from
+other formats train there with their heads."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from critic_adapters.common.testdata import save_tiny_causal_lm
+from critic_adapters.common.tests import checkpoint_builders as build
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import worker_env
+from critic_adapters.common.valuehead import load_critic, save_critic
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+OVERLAY = os.environ.get("CRITIC_VERL_OVERLAY", os.path.join(REPO, ".overlays", "verl-0.9.1"))
+BACKENDS = ("fsdp", "megatron", "veomni")  # all three run in the verl environment (world of one)
+
+
+def overlay_env() -> dict:
+    assert os.path.isfile(os.path.join(OVERLAY, ".complete")), (
+        f"missing the verl overlay {OVERLAY}; tools/setup.sh installs it (or set CRITIC_VERL_OVERLAY)")
+    env = worker_env()
+    env["PYTHONPATH"] = os.pathsep.join([OVERLAY, env["PYTHONPATH"]])
+    return env
+
+
+def run_check(check: str, tmp_path, *args: str) -> dict:
+    """verl_worker CHECK in the verl overlay; its result."""
+    out = tmp_path / f"{check}.pt"
+    env = overlay_env()
+    result = subprocess.run([sys.executable, "-m", "critic_adapters.tests.verl.verl_worker", check,
+                             str(out), *args], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"verl_worker {check} {args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def test_importing_verl_registers_the_engine():
+    """The package's verl.plugins entry point: a plain `import verl` (plugins on, verl's default) has
+    the engine registered, found for this machine's device (cpu here, through our CPU platform)."""
+    env = {k: v for k, v in overlay_env().items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
+    code = ("import verl\nfrom verl.workers.engine import EngineRegistry\n"
+            "print(EngineRegistry.get_engine_cls('value_model', 'critic_adapters').__name__)")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "CriticAdaptersEngine"
+
+
+@pytest.fixture(scope="module")
+def critic_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verl")
+    return save_critic(load_critic(save_tiny_causal_lm("qwen2", str(root / "causal")))[0], str(root / "critic"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_and_one_update_equal_verls_own_engine(backend, critic_dir, tmp_path):
+    result = run_check("parity", tmp_path, critic_dir, backend)
+    mask = result["response_mask"].bool()
+    ours, verls = result[backend], result["verl-fsdp2"]
+    assert ours["engine"] == "CriticAdaptersEngine" and verls["engine"] == "FSDPEngineWithValueHead"
+    # verl's infer_batch through our engine gives our compute_values (and verl's engine agrees).
+    assert torch.allclose(ours["before"][mask], result["reference"][mask], atol=1e-6)
+    assert torch.allclose(verls["before"][mask], result["reference"][mask], atol=1e-6)
+    # One train_mini_batch with verl's value_loss: the same metrics as verl's own engine.
+    for key in ("critic/vf_loss", "grad_norm"):
+        assert float(ours["metrics"][key][0]) == pytest.approx(float(verls["metrics"][key][0]), rel=1e-5, abs=1e-6), key
+    assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
+    assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)
+    assert ours["metrics"]["lr"] == verls["metrics"]["lr"]
+    assert torch.allclose(ours["after"][mask], verls["after"][mask], atol=1e-5)
+    assert not torch.allclose(ours["after"][mask], ours["before"][mask], atol=1e-3)  # it trained
+
+
+def test_a_checkpoint_saved_through_verl_resumes_bit_identically(critic_dir, tmp_path):
+    result = run_check("resume", tmp_path, critic_dir, "fsdp", str(tmp_path))
+    (continued_metrics, continued_values), (resumed_metrics, resumed_values) = result["continued"], result["resumed"]
+    assert torch.equal(continued_values, resumed_values)
+    for key in ("critic/vf_loss", "grad_norm", "critic/vpred_mean"):
+        assert continued_metrics[key] == resumed_metrics[key], key
+    assert "critic_checkpoint.json" in result["files"]  # our engine's checkpoint, where verl asked for it
+
+
+def test_critics_of_other_formats_train_there_with_their_heads(tmp_path):
+    root = str(tmp_path / "formats")
+    fixtures = {"trl": build.trl_value_head(root), "openrlhf": build.openrlhf(root), "megatron": build.megatron_export(root)}
+    result = run_check("formats", tmp_path, *(path for path, _ in fixtures.values()))
+    mask = result["response_mask"].bool()
+    for name, (path, _) in fixtures.items():
+        entry = result[os.path.basename(path)]
+        # The head was loaded, not re-initialised: verl's values are the checkpoint's own (our loader's).
+        assert torch.allclose(entry["verl"][mask], entry["ours"][mask], atol=1e-6), name
+        assert float(entry["verl"][mask].abs().max()) > 1e-3, name
+        assert torch.isfinite(torch.tensor(float(entry["metrics"]["critic/vf_loss"][0]))), name
+        assert not torch.allclose(entry["after"][mask], entry["verl"][mask], atol=1e-4), name  # it trained
+
+
+def test_the_engine_config_maps_verls_keys_and_refuses_what_does_not_fit(critic_dir, tmp_path):
+    result = run_check("config", tmp_path, critic_dir)
+    mapped = result["mapped"]
+    assert mapped["backend"] == "megatron" and mapped["path"] == critic_dir
+    assert mapped["optim"] == {"lr": 3e-4, "weight_decay": 0.05, "betas": [0.9, 0.95], "grad_clip": 0.5,
+                               "lr_schedule": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1, "total_steps": 100}
+    assert mapped["tensor"] == 2 and mapped["micro_batch_tokens"] == 4096 and mapped["gradient_checkpointing"]
+    errors = result["errors"]
+    assert errors["unknown key"].startswith("critic.fsdp.critic_adapters: batching.micro_batch_token does not fit")
+    assert "critic.fsdp.critic_adapters.loss.kind=hl_gauss: in verl's engine slot the critic trains with the loss " \
+           "verl passes" in errors["hl_gauss"]
+    assert errors["backend"] == "critic.fsdp.critic_adapters_backend='deepspeed': use one of fsdp, megatron, veomni"
+    assert errors["schedule"].startswith("critic.optim.lr_scheduler_type='wsd'")
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

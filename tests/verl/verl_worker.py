@@ -1,0 +1,232 @@
+"""Runs inside the verl overlay (.overlays/verl-0.9.1 on PYTHONPATH: verl 0.9.1, transformers 5.10.4):
+verl's own TrainingWorker, without Ray, in a world of one gloo process on CPU, fp32.
+
+  python -m critic_adapters.tests.verl.verl_worker CHECK OUT_FILE [ARGS...]
+
+CHECK:
+  parity MODEL_DIR BACKEND   our engine (BACKEND) and verl's own fsdp2 value-model engine, the same
+                             critic and batch: values before, one train_mini_batch, values after
+  resume MODEL_DIR BACKEND WORKDIR   a step, save_checkpoint, a step; a new worker loads the
+                             checkpoint and takes the same step
+  formats DIR...             per critic directory: our engine's values through verl's infer_batch
+                             and our compute_values; one training step
+  config MODEL_DIR           verl's configs mapped onto ours, and the settings that are refused
+Writes a torch.save'd dict to OUT_FILE.
+
+The batch is what verl's PPO trainer hands its critic: left-padded prompts and right-padded
+responses through verl's DataProto and left_right_2_no_padding (values and returns added for the
+update). What is set up for CPU (and only that): verl's process-group environment, our CPU
+platform (integrations/verl/cpu_platform.py, installed by importing the package),
+VERL_ENGINE_DEVICE=cuda so that verl's own engine (registered for cuda/npu only) is found, and
+verl.utils.model.load_valuehead_model replaced by ours (the same signature; verl's hard-codes
+flash_attention_2, which needs CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import warnings
+from functools import partial
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                  LOCAL_WORLD_SIZE="1", VERL_ENGINE_DEVICE="cuda", VERL_USE_EXTERNAL_PLUGINS="none")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+import critic_adapters.integrations.verl as ours  # noqa: E402  (registers the engine; CPU platform)
+
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+import verl.utils.model as verl_model_utils  # noqa: E402
+
+from critic_adapters.common.valuehead import compute_values, load_critic, load_valuehead_model  # noqa: E402
+
+verl_model_utils.load_valuehead_model = load_valuehead_model  # read lazily by verl's fsdp engine
+
+from verl import DataProto  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import FSDPCriticConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+from verl.workers.config import TrainingWorkerConfig  # noqa: E402
+from verl.workers.engine_workers import TrainingWorker  # noqa: E402
+from verl.workers.utils.losses import value_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+B, P, R = 4, 5, 6  # sequences, prompt width, response width
+MICRO = 2  # sequences per micro-batch (verl's micro_batch_size_per_gpu): 2 micro-batches per step
+LR = 1e-3
+CRITIC = FSDPCriticConfig(strategy="fsdp2", ppo_micro_batch_size_per_gpu=MICRO, ppo_mini_batch_size=B,
+                          cliprange_value=0.5, loss_agg_mode="token-mean")
+ENGINE_FIELDS = dict(model_dtype="fp32", mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                                          "buffer_dtype": "fp32"},
+                     use_torch_compile=False, wrap_policy={"min_num_params": 0}, use_dynamic_bsz=False,
+                     micro_batch_size_per_gpu=MICRO, infer_micro_batch_size_per_gpu=MICRO, seed=0)
+
+
+def make_worker(model_dir: str, backend: str) -> TrainingWorker:
+    """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours."""
+    if backend == "verl-fsdp2":
+        engine = FSDPEngineConfig(strategy="fsdp2", **ENGINE_FIELDS)
+    else:
+        engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend, **ENGINE_FIELDS)
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
+                          enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
+    worker = TrainingWorker(TrainingWorkerConfig(
+        model_type="value_model", model_config=model, engine_config=engine,
+        optimizer_config=FSDPOptimizerConfig(lr=LR, total_training_steps=10, clip_grad=1.0, weight_decay=0.0),
+        checkpoint_config=CheckpointConfig()))
+    worker.reset()
+    worker.set_loss_fn(partial(value_loss, config=CRITIC))
+    return worker
+
+
+def padded_batch(seed: int = 1):
+    """Left-padded prompts and right-padded responses of different lengths, as verl's rollout gives."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, response_lens = [5, 3, 4, 2], [6, 2, 4, 5]
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    attention = torch.zeros(B, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        prompts[i, P - p:] = torch.randint(3, 990, (p,), generator=g)
+        responses[i, :r] = torch.randint(3, 990, (r,), generator=g)
+        attention[i, P - p:P + r] = 1
+    returns = torch.randn(B, R, generator=g) * attention[:, P:]
+    return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": attention[:, P:].clone()}, returns
+
+
+def verl_batch(tensors: dict, extra: dict | None = None):
+    data = DataProto.from_dict(tensors={**tensors, **(extra or {})}, meta_info={"temperature": 1.0})
+    return left_right_2_no_padding(data.to_tensordict())
+
+
+def infer(worker, tensors) -> torch.Tensor:
+    """The critic's values for the responses, [B, R], as verl's trainer reads them (_compute_values)."""
+    td = verl_batch(tensors)
+    tu.assign_non_tensor(td, compute_loss=False)
+    return no_padding_2_padding(tu.get(worker.infer_batch(td), "values"), td).float() * tensors["response_mask"]
+
+
+def train(worker, tensors, old_values, returns) -> dict:
+    """One update on the whole batch (verl's _update_critic: train_mini_batch); its metrics."""
+    td = verl_batch(tensors, {"values": old_values, "returns": returns})
+    tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
+                         dataloader_kwargs={"shuffle": False})
+    metrics = tu.get(worker.train_mini_batch(td), "metrics")
+    return {key: value for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
+
+
+def our_values(model_dir: str, tensors) -> torch.Tensor:
+    """Our load_critic + compute_values on each sequence alone (its valid tokens), the value of each
+    response token read at the position before it: [B, R]."""
+    critic, _ = load_critic(model_dir)
+    out = torch.zeros(B, R)
+    for i in range(B):
+        ids = tensors["input_ids"][i][tensors["attention_mask"][i].bool()]
+        prompt = int(tensors["attention_mask"][i, :P].sum())
+        response = int(tensors["response_mask"][i].sum())
+        with torch.no_grad():
+            values = compute_values(critic, ids[None], None)[0]
+        out[i, :response] = values[prompt - 1:prompt + response - 1]
+    return out
+
+
+def parity(model_dir: str, backend: str) -> dict:
+    tensors, returns = padded_batch()
+    out = {"reference": our_values(model_dir, tensors), "response_mask": tensors["response_mask"]}
+    for name in (backend, "verl-fsdp2"):
+        worker = make_worker(model_dir, name)
+        before = infer(worker, tensors)
+        metrics = train(worker, tensors, before, returns)
+        out[name] = {"before": before, "metrics": metrics, "after": infer(worker, tensors),
+                     "engine": type(worker.engine).__name__}
+        del worker
+    return out
+
+
+def resume(model_dir: str, backend: str, workdir: str) -> dict:
+    tensors, returns = padded_batch()
+    worker = make_worker(model_dir, backend)
+    start = infer(worker, tensors)
+    train(worker, tensors, start, returns)
+    checkpoint = os.path.join(workdir, "global_step_1", "critic")
+    worker.save_checkpoint(checkpoint, global_step=1, max_ckpt_to_keep=2)
+    continued = train(worker, tensors, start, returns), infer(worker, tensors)
+    del worker
+    resumed_worker = make_worker(model_dir, backend)
+    resumed_worker.load_checkpoint(checkpoint)
+    resumed = train(resumed_worker, tensors, start, returns), infer(resumed_worker, tensors)
+    return {"continued": continued, "resumed": resumed, "files": sorted(os.listdir(checkpoint))}
+
+
+def formats(*model_dirs: str) -> dict:
+    tensors, returns = padded_batch(seed=2)
+    out = {}
+    for model_dir in model_dirs:
+        worker = make_worker(model_dir, "fsdp")
+        before = infer(worker, tensors)
+        metrics = train(worker, tensors, before, returns)
+        out[os.path.basename(model_dir)] = {"verl": before, "ours": our_values(model_dir, tensors),
+                                            "metrics": metrics, "after": infer(worker, tensors)}
+        del worker
+    out["response_mask"] = tensors["response_mask"]
+    return out
+
+
+def config(model_dir: str) -> dict:
+    """verl's configs mapped onto ours (config.engine_config_from_verl), and what is refused."""
+    from types import SimpleNamespace
+
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
+                          enable_gradient_checkpointing=True)
+    optim = FSDPOptimizerConfig(lr=3e-4, weight_decay=0.05, betas=(0.9, 0.95), clip_grad=0.5, total_training_steps=100,
+                                lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend="megatron", critic_adapters={
+        "parallel": {"tensor": 2}, "batching": {"micro_batch_tokens": 4096}})
+    backend, mapped = ours.engine_config_from_verl(model, engine, optim)
+    out = {"mapped": {"backend": backend, "path": mapped.model.path, "optim": {
+        key: getattr(mapped.optim, key) for key in ("lr", "weight_decay", "betas", "grad_clip", "lr_schedule",
+                                                     "warmup_steps", "min_lr_ratio", "total_steps")},
+        "tensor": mapped.parallel.tensor, "micro_batch_tokens": mapped.batching.micro_batch_tokens,
+        "gradient_checkpointing": mapped.gradient_checkpointing}}
+    out["mapped"]["optim"]["betas"] = list(out["mapped"]["optim"]["betas"])
+    errors = {}
+    for name, make in {
+        "unknown key": lambda: ours.engine_config_from_verl(model, ours.CriticAdaptersEngineConfig(
+            critic_adapters={"batching": {"micro_batch_token": 1}}), optim),
+        "hl_gauss": lambda: ours.engine_config_from_verl(model, ours.CriticAdaptersEngineConfig(critic_adapters={
+            "loss": {"kind": "hl_gauss", "clip_range": None, "hl_gauss": {"min_value": -1.0, "max_value": 1.0}}}), optim),
+        "backend": lambda: ours.CriticAdaptersEngineConfig(critic_adapters_backend="deepspeed"),
+        "schedule": lambda: ours.engine_config_from_verl(model, ours.CriticAdaptersEngineConfig(),
+                                                         SimpleNamespace(**{**vars(optim), "lr_scheduler_type": "wsd"})),
+    }.items():
+        try:
+            make()
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+    out["errors"] = errors
+    return out
+
+
+def main():
+    check, out_file, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    result = {"parity": parity, "resume": resume, "formats": formats, "config": config}[check](*args)
+    torch.save(result, out_file)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
