@@ -226,6 +226,8 @@ def _check_finite(model, path: str) -> None:
     for name, tensor in model.named_parameters():
         if tensor.dim() > 1 and tensor is not embeddings and tensor is not critic_head(model).weight:
             continue
+        if tensor.is_meta:  # built under a meta-device context (verl's ranks > 0): nothing to check
+            continue
         bad = int((~torch.isfinite(tensor)).sum())
         if bad:
             raise CriticLoadError(f"{path}: tensor {name} holds {bad} NaN/inf value(s) of {tensor.numel()}; the "

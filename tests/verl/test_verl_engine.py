@@ -14,12 +14,11 @@ import torch
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests import checkpoint_builders as build
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import worker_env
+from critic_adapters.common.tests.torchrun import torchrun_command, worker_env
 from critic_adapters.common.valuehead import load_critic, save_critic
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 OVERLAY = os.environ.get("CRITIC_VERL_OVERLAY", os.path.join(REPO, ".overlays", "verl-0.9.1"))
-BACKENDS = ("fsdp", "megatron", "veomni")  # all three run in the verl environment (world of one)
 
 
 def overlay_env() -> dict:
@@ -57,23 +56,50 @@ def critic_dir(tmp_path_factory):
     return save_critic(load_critic(save_tiny_causal_lm("qwen2", str(root / "causal")))[0], str(root / "critic"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_values_and_one_update_equal_verls_own_engine(backend, critic_dir, tmp_path):
-    result = run_check("parity", tmp_path, critic_dir, backend)
-    mask = result["response_mask"].bool()
-    ours, verls = result[backend], result["verl-fsdp2"]
-    assert ours["engine"] == "CriticAdaptersEngine" and verls["engine"] == "FSDPEngineWithValueHead"
-    # verl's infer_batch through our engine gives our compute_values (and verl's engine agrees).
-    assert torch.allclose(ours["before"][mask], result["reference"][mask], atol=1e-6)
-    assert torch.allclose(verls["before"][mask], result["reference"][mask], atol=1e-6)
-    # One train_mini_batch with verl's value_loss: the same metrics as verl's own engine.
-    for key in ("critic/vf_loss", "grad_norm"):
-        assert float(ours["metrics"][key][0]) == pytest.approx(float(verls["metrics"][key][0]), rel=1e-5, abs=1e-6), key
-    assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
-    assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)
-    assert ours["metrics"]["lr"] == verls["metrics"]["lr"]
-    assert torch.allclose(ours["after"][mask], verls["after"][mask], atol=1e-5)
-    assert not torch.allclose(ours["after"][mask], ours["before"][mask], atol=1e-3)  # it trained
+# (backend, processes): verl's own engine runs data parallel on the same processes.
+PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp", 2), ("megatron-tp2", 2)]
+
+
+def run_parity(backend: str, processes: int, critic_dir: str, tmp_path) -> list[dict]:
+    """verl_worker parity on each process: the per-rank results."""
+    if processes == 1:
+        return [run_check("parity", tmp_path, critic_dir, backend)]
+    out = tmp_path / "parity.pt"
+    command = torchrun_command(processes, "critic_adapters.tests.verl.verl_worker", "parity", str(out), critic_dir,
+                               backend)
+    result = subprocess.run(command, env=overlay_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"parity {backend} on {processes} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(processes)]
+
+
+@pytest.mark.parametrize("backend,processes", PARITY_RUNS, ids=[f"{b}-{n}" for b, n in PARITY_RUNS])
+def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic_dir, tmp_path):
+    checked = 0
+    for result in run_parity(backend, processes, critic_dir, tmp_path):
+        ours, verls = result[backend], result["verl-fsdp2"]
+        if ours["before"] is None:  # a tensor-parallel peer: verl collects outputs from its first rank only
+            assert backend.endswith("-tp2") and ours["metrics"] is None
+            continue
+        checked += 1
+        assert ours["engine"] == "CriticAdaptersEngine" and verls["engine"] == "FSDPEngineWithValueHead"
+        # verl's infer_batch through our engine gives our compute_values (and verl's engine agrees).
+        for engine in (ours, verls):
+            mask = engine["response_mask"].bool()
+            assert torch.allclose(engine["before"][mask], engine["reference"][mask], atol=1e-6)
+        # One train_mini_batch with verl's value_loss: the same metrics as verl's own engine.
+        for key in ("critic/vf_loss", "grad_norm"):
+            assert float(ours["metrics"][key][0]) == pytest.approx(float(verls["metrics"][key][0]), rel=1e-5, abs=1e-6), key
+        assert ours["metrics"]["lr"] == verls["metrics"]["lr"]
+        # ... and the same critic after it, on verl's engine's rows (ours may hold more of them).
+        start = verls["rows"][0] - ours["rows"][0]
+        rows = slice(start, start + verls["rows"][1] - verls["rows"][0])
+        mask = verls["response_mask"].bool()
+        assert torch.allclose(ours["after"][rows][mask], verls["after"][mask], atol=1e-5)
+        assert not torch.allclose(ours["after"][rows][mask], ours["before"][rows][mask], atol=1e-3)  # it trained
+        if processes == 1:  # one rank sees every micro-batch's metrics
+            assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
+            assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)
+    assert checked == processes // (2 if backend.endswith("-tp2") else 1)
 
 
 def test_a_checkpoint_saved_through_verl_resumes_bit_identically(critic_dir, tmp_path):

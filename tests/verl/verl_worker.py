@@ -4,14 +4,16 @@ verl's own TrainingWorker, without Ray, in a world of one gloo process on CPU, f
   python -m critic_adapters.tests.verl.verl_worker CHECK OUT_FILE [ARGS...]
 
 CHECK:
-  parity MODEL_DIR BACKEND   our engine (BACKEND) and verl's own fsdp2 value-model engine, the same
-                             critic and batch: values before, one train_mini_batch, values after
+  parity MODEL_DIR BACKEND   our engine (BACKEND: fsdp, veomni, megatron, megatron-tp2) and verl's own
+                             fsdp2 value-model engine, the same critic and global batch: values
+                             before, one train_mini_batch, values after
   resume MODEL_DIR BACKEND WORKDIR   a step, save_checkpoint, a step; a new worker loads the
                              checkpoint and takes the same step
   formats DIR...             per critic directory: our engine's values through verl's infer_batch
                              and our compute_values; one training step
   config MODEL_DIR           verl's configs mapped onto ours, and the settings that are refused
-Writes a torch.save'd dict to OUT_FILE.
+Writes a torch.save'd dict to OUT_FILE (under torchrun, each rank to OUT_FILE.rank<r>: its share of
+the batch, as verl's dispatch splits it over the data-parallel ranks).
 
 The batch is what verl's PPO trainer hands its critic: left-padded prompts and right-padded
 responses through verl's DataProto and left_right_2_no_padding (values and returns added for the
@@ -37,15 +39,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                  LOCAL_WORLD_SIZE="1", VERL_ENGINE_DEVICE="cuda", VERL_USE_EXTERNAL_PLUGINS="none")
+if "RANK" not in os.environ:  # not under torchrun: a world of one (what verl's Worker reads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+os.environ.update(VERL_ENGINE_DEVICE="cuda", VERL_USE_EXTERNAL_PLUGINS="none")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
 import critic_adapters.integrations.verl as ours  # noqa: E402  (registers the engine; CPU platform)
 
-torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+torch.distributed.init_process_group("gloo")
+RANK, WORLD = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 import verl.utils.model as verl_model_utils  # noqa: E402
 
@@ -73,12 +78,19 @@ ENGINE_FIELDS = dict(model_dtype="fp32", mixed_precision={"param_dtype": "fp32",
                      micro_batch_size_per_gpu=MICRO, infer_micro_batch_size_per_gpu=MICRO, seed=0)
 
 
+def tensor_degree(backend: str) -> int:
+    """'megatron-tp2': megatron at tensor-parallel degree 2."""
+    return int(backend.partition("-tp")[2] or 1)
+
+
 def make_worker(model_dir: str, backend: str) -> TrainingWorker:
-    """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours."""
+    """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours
+    ('fsdp', 'veomni', 'megatron', 'megatron-tp2')."""
     if backend == "verl-fsdp2":
         engine = FSDPEngineConfig(strategy="fsdp2", **ENGINE_FIELDS)
     else:
-        engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend, **ENGINE_FIELDS)
+        engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend.partition("-")[0], critic_adapters={
+            "parallel": {"tensor": tensor_degree(backend)}}, **ENGINE_FIELDS)
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
                           enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
     worker = TrainingWorker(TrainingWorkerConfig(
@@ -90,8 +102,10 @@ def make_worker(model_dir: str, backend: str) -> TrainingWorker:
     return worker
 
 
-def padded_batch(seed: int = 1):
-    """Left-padded prompts and right-padded responses of different lengths, as verl's rollout gives."""
+def padded_batch(seed: int = 1, data_parallel: int | None = None):
+    """Left-padded prompts and right-padded responses of different lengths, as verl's rollout gives;
+    this rank's share of them (B / data_parallel rows, default one share per process: what verl's
+    dispatch hands each data-parallel rank; tensor-parallel peers get the same share)."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens, response_lens = [5, 3, 4, 2], [6, 2, 4, 5]
     prompts = torch.zeros(B, P, dtype=torch.long)
@@ -102,9 +116,18 @@ def padded_batch(seed: int = 1):
         responses[i, :r] = torch.randint(3, 990, (r,), generator=g)
         attention[i, P - p:P + r] = 1
     returns = torch.randn(B, R, generator=g) * attention[:, P:]
-    return {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-            "response_mask": attention[:, P:].clone()}, returns
+    tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+               "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+               "response_mask": attention[:, P:].clone()}
+    share = share_rows(data_parallel)
+    return {name: tensor[share] for name, tensor in tensors.items()}, returns[share]
+
+
+def share_rows(data_parallel: int | None = None) -> slice:
+    """This rank's rows of the global batch: data-parallel share dp_rank of `data_parallel`."""
+    dp = WORLD if data_parallel is None else data_parallel
+    dp_rank = RANK // (WORLD // dp)
+    return slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
 
 
 def verl_batch(tensors: dict, extra: dict | None = None):
@@ -112,11 +135,15 @@ def verl_batch(tensors: dict, extra: dict | None = None):
     return left_right_2_no_padding(data.to_tensordict())
 
 
-def infer(worker, tensors) -> torch.Tensor:
-    """The critic's values for the responses, [B, R], as verl's trainer reads them (_compute_values)."""
+def infer(worker, tensors) -> torch.Tensor | None:
+    """The critic's values for the responses, [B, R], as verl's trainer reads them (_compute_values);
+    None on a rank verl does not collect outputs from (a tensor-parallel peer)."""
     td = verl_batch(tensors)
     tu.assign_non_tensor(td, compute_loss=False)
-    return no_padding_2_padding(tu.get(worker.infer_batch(td), "values"), td).float() * tensors["response_mask"]
+    output = worker.infer_batch(td)
+    if output is None:
+        return None
+    return no_padding_2_padding(tu.get(output, "values"), td).float() * tensors["response_mask"]
 
 
 def train(worker, tensors, old_values, returns) -> dict:
@@ -124,7 +151,10 @@ def train(worker, tensors, old_values, returns) -> dict:
     td = verl_batch(tensors, {"values": old_values, "returns": returns})
     tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False})
-    metrics = tu.get(worker.train_mini_batch(td), "metrics")
+    output = worker.train_mini_batch(td)
+    if output is None:  # a rank verl does not collect outputs from
+        return None
+    metrics = tu.get(output, "metrics")
     return {key: value for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
 
 
@@ -132,8 +162,9 @@ def our_values(model_dir: str, tensors) -> torch.Tensor:
     """Our load_critic + compute_values on each sequence alone (its valid tokens), the value of each
     response token read at the position before it: [B, R]."""
     critic, _ = load_critic(model_dir)
-    out = torch.zeros(B, R)
-    for i in range(B):
+    rows = tensors["input_ids"].shape[0]
+    out = torch.zeros(rows, R)
+    for i in range(rows):
         ids = tensors["input_ids"][i][tensors["attention_mask"][i].bool()]
         prompt = int(tensors["attention_mask"][i, :P].sum())
         response = int(tensors["response_mask"][i].sum())
@@ -144,14 +175,21 @@ def our_values(model_dir: str, tensors) -> torch.Tensor:
 
 
 def parity(model_dir: str, backend: str) -> dict:
-    tensors, returns = padded_batch()
-    out = {"reference": our_values(model_dir, tensors), "response_mask": tensors["response_mask"]}
+    """Both engines on the same global batch, each rank on its data-parallel share (ours holds more
+    rows than verl's engine under tensor parallelism): per engine, its rows of the global batch,
+    our compute_values on them, values before and after one train_mini_batch, its metrics."""
+    out = {}
     for name in (backend, "verl-fsdp2"):
+        dp = WORLD // tensor_degree(name) if name != "verl-fsdp2" else WORLD
+        tensors, returns = padded_batch(data_parallel=dp)
+        reference = our_values(model_dir, tensors)  # also the update's old values, on every rank
         worker = make_worker(model_dir, name)
         before = infer(worker, tensors)
-        metrics = train(worker, tensors, before, returns)
-        out[name] = {"before": before, "metrics": metrics, "after": infer(worker, tensors),
-                     "engine": type(worker.engine).__name__}
+        metrics = train(worker, tensors, reference, returns)
+        share = share_rows(dp)
+        out[name] = {"rows": (share.start, share.stop), "reference": reference,
+                     "response_mask": tensors["response_mask"], "before": before, "metrics": metrics,
+                     "after": infer(worker, tensors), "engine": type(worker.engine).__name__}
         del worker
     return out
 
@@ -224,7 +262,7 @@ def config(model_dir: str) -> dict:
 def main():
     check, out_file, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     result = {"parity": parity, "resume": resume, "formats": formats, "config": config}[check](*args)
-    torch.save(result, out_file)
+    torch.save(result, out_file if WORLD == 1 else f"{out_file}.rank{RANK}")
     torch.distributed.destroy_process_group()
 
 
