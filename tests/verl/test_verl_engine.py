@@ -125,6 +125,34 @@ def test_critics_of_other_formats_train_there_with_their_heads(tmp_path):
         assert not torch.allclose(entry["after"][mask], entry["verl"][mask], atol=1e-4), name  # it trained
 
 
+def readme_verl_section() -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    return text[text.index("## In verl"):].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("form", ["yaml", "command line"])
+def test_the_readmes_verl_keys_reach_the_engine_through_verls_own_config(form, critic_dir, tmp_path):
+    """The README's YAML snippet and its command-line overrides, on verl's ppo_trainer.yaml composed
+    by hydra and built as verl's trainer builds its critic config."""
+    import re
+
+    section = readme_verl_section()
+    path = [f"critic.model.path={critic_dir}", "critic.ppo_micro_batch_size_per_gpu=2"]
+    if form == "yaml":
+        (snippet,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+        (tmp_path / "critic.yaml").write_text(snippet)
+        result = run_check("yaml", tmp_path, str(tmp_path / "critic.yaml"), *path)
+        assert result["backend"] == "fsdp" and result["batching"]["micro_batch_tokens"] == 8192
+    else:
+        overrides = re.findall(r"`(\+?critic\.[\w.]+=[^`\s]+)`", section)
+        assert len(overrides) == 4, overrides
+        result = run_check("yaml", tmp_path, "-", *overrides, *path)
+        assert result["backend"] == "megatron" and result["parallel"]["tensor"] == 2
+    assert result["strategy"] == result["engine_strategy"] == "critic_adapters"
+    assert result["engine_config"] == "CriticAdaptersEngineConfig" and result["path"] == critic_dir
+
+
 def test_the_engine_config_maps_verls_keys_and_refuses_what_does_not_fit(critic_dir, tmp_path):
     result = run_check("config", tmp_path, critic_dir)
     mapped = result["mapped"]

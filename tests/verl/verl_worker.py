@@ -12,6 +12,7 @@ CHECK:
   formats DIR...             per critic directory: our engine's values through verl's infer_batch
                              and our compute_values; one training step
   config MODEL_DIR           verl's configs mapped onto ours, and the settings that are refused
+  yaml FILE|- OVERRIDES...   verl's ppo_trainer.yaml through hydra with a YAML snippet and overrides
 Writes a torch.save'd dict to OUT_FILE (under torchrun, each rank to OUT_FILE.rank<r>: its share of
 the batch, as verl's dispatch splits it over the data-parallel ranks).
 
@@ -26,6 +27,7 @@ flash_attention_2, which needs CUDA).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -259,9 +261,31 @@ def config(model_dir: str) -> dict:
     return out
 
 
+def yaml(readme_yaml: str, *overrides: str) -> dict:
+    """verl's own ppo_trainer.yaml composed by hydra with the README's critic settings (its YAML
+    snippet merged in, or its command-line overrides), then built into verl's critic config as
+    verl's trainer does (omega_conf_to_dataclass): what reaches the engine, mapped onto ours."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config_dir = os.path.join(os.path.dirname(verl_model_utils.__file__), "..", "trainer", "config")
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=list(overrides))
+    if readme_yaml != "-":
+        OmegaConf.set_struct(config, False)  # a user's trainer YAML may add keys; so may this snippet
+        config = OmegaConf.merge(config, OmegaConf.load(readme_yaml))
+    critic = omega_conf_to_dataclass(config.critic)
+    backend, mapped = ours.engine_config_from_verl(critic.model, critic.engine, critic.optim)
+    return {"strategy": critic.strategy, "engine_strategy": critic.engine.strategy,
+            "engine_config": type(critic.engine).__name__, "backend": backend,
+            "parallel": dataclasses.asdict(mapped.parallel), "batching": dataclasses.asdict(mapped.batching),
+            "path": mapped.model.path}
+
+
 def main():
     check, out_file, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    result = {"parity": parity, "resume": resume, "formats": formats, "config": config}[check](*args)
+    result = {"parity": parity, "resume": resume, "formats": formats, "config": config, "yaml": yaml}[check](*args)
     torch.save(result, out_file if WORLD == 1 else f"{out_file}.rank{RANK}")
     torch.distributed.destroy_process_group()
 
