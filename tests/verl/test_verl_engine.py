@@ -96,6 +96,12 @@ def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic
         mask = verls["response_mask"].bool()
         assert torch.allclose(ours["after"][rows][mask], verls["after"][mask], atol=1e-5)
         assert not torch.allclose(ours["after"][rows][mask], ours["before"][rows][mask], atol=1e-3)  # it trained
+        # verl's v1 trainer layout (every field nested, no attention_mask), from the state after that step.
+        width = ours["v1_values"].shape[1]  # padded to the longest response of these rows
+        assert torch.allclose(ours["v1_values"][rows], (ours["after"][rows] * mask)[:, :width], atol=1e-6)
+        for key in ("critic/vf_loss", "grad_norm"):
+            assert float(ours["v1_metrics"][key][0]) == pytest.approx(float(verls["v1_metrics"][key][0]), rel=1e-5,
+                                                                      abs=1e-6), key
         if processes == 1:  # one rank sees every micro-batch's metrics
             assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
             assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)

@@ -160,6 +160,42 @@ def train(worker, tensors, old_values, returns) -> dict:
     return {key: value for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
 
 
+def v1_batch(tensors: dict, old_values=None, returns=None):
+    """The same rows in the layout of verl's v1 trainer (its default, trainer.use_v1): every
+    per-sample field nested, responses' values and returns nested over their tokens, no
+    attention_mask."""
+    rows = []
+    for i in range(tensors["input_ids"].shape[0]):
+        valid = tensors["attention_mask"][i].bool()
+        prompt, response = int(valid[:P].sum()), int(tensors["response_mask"][i].sum())
+        ids = tensors["input_ids"][i][valid]
+        row = {"prompts": ids[:prompt], "responses": ids[prompt:], "input_ids": ids,
+               "position_ids": torch.arange(ids.numel()), "response_mask": torch.ones(response, dtype=torch.long),
+               "loss_mask": torch.ones(response, dtype=torch.long)}
+        if old_values is not None:
+            row.update(values=old_values[i, :response], returns=returns[i, :response])
+        rows.append(row)
+    td = tu.list_of_dict_to_tensordict(rows)
+    tu.assign_non_tensor(td, temperature=1.0)
+    return td
+
+
+def v1_step(worker, tensors, old_values, returns) -> tuple[torch.Tensor | None, dict | None]:
+    """verl's v1 trainer's critic calls on `tensors`: values ([B, R], read back with verl's own
+    no_padding_2_padding) and one train_mini_batch's metrics."""
+    td = v1_batch(tensors)
+    tu.assign_non_tensor(td, compute_loss=False)
+    output = worker.infer_batch(td)
+    values = None if output is None else no_padding_2_padding(tu.get(output, "values"), td).float()
+    td = v1_batch(tensors, old_values, returns)
+    tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
+                         dataloader_kwargs={"shuffle": False})
+    output = worker.train_mini_batch(td)
+    metrics = None if output is None else {k: v for k, v in tu.get(output, "metrics").items()
+                                           if not k.startswith("perf/") and k != "mfu"}
+    return values, metrics
+
+
 def our_values(model_dir: str, tensors) -> torch.Tensor:
     """Our load_critic + compute_values on each sequence alone (its valid tokens), the value of each
     response token read at the position before it: [B, R]."""
@@ -192,6 +228,8 @@ def parity(model_dir: str, backend: str) -> dict:
         out[name] = {"rows": (share.start, share.stop), "reference": reference,
                      "response_mask": tensors["response_mask"], "before": before, "metrics": metrics,
                      "after": infer(worker, tensors), "engine": type(worker.engine).__name__}
+        # Then the v1 trainer's layout, from the state after that step.
+        out[name]["v1_values"], out[name]["v1_metrics"] = v1_step(worker, tensors, reference, returns)
         del worker
     return out
 
