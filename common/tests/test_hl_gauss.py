@@ -153,6 +153,19 @@ def test_an_hl_gauss_critic_config_and_checkpoint_keep_their_support(tmp_path):
     assert torch.allclose(verl(input_ids=ids).logits[..., 0], values, atol=1e-6)
     hidden = loaded.model(input_ids=ids).last_hidden_state
     assert torch.allclose(loaded.score(hidden)[..., 0], values, atol=1e-6)
+    # The CLI's `values` prints the same values (token-aligned: value of token t at position t - 1).
+    import ast
+    import contextlib
+    import io
+
+    from critic_adapters.common.valuehead.cli import main as cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli(["values", str(tmp_path / "hl"), "--tokens", " ".join(map(str, ids[0].tolist()))]) == 0
+    line = next(l for l in printed.getvalue().splitlines() if l.startswith("values"))
+    cli_values = torch.tensor(ast.literal_eval(line.split("  ")[1]))
+    assert torch.allclose(cli_values[1:], values[0, :-1], atol=1e-5)
     # An HL-Gauss checkpoint asked for a scalar head (engine.loss.kind=mse) is refused, naming the keys.
     with pytest.raises(CriticLoadError, match=r"holds an HL-Gauss head \(51 bins over \[-2, 3\].*engine.loss.kind=hl_gauss.*"
                                               r"= 51/-2/3/0.75, or start a new head with engine.model.fresh_head=true"):
