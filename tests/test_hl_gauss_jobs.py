@@ -7,9 +7,8 @@ import os
 import pytest
 import torch
 
-from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
-                                                   run_pytest)
-from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after
+from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
+from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, run_launcher
 from critic_adapters.common.valuehead import compute_values, load_critic
 
 BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
@@ -40,25 +39,17 @@ def test_the_default_job_learns_with_an_hl_gauss_critic(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_killed_hl_gauss_run_resumes_to_identical_weights(backend, tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    result = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={whole}", *HL_GAUSS, *SHORT_JOB)
-    assert result.returncode == 0, result.stderr[-4000:]
+    args = ("--nproc", "2", *HL_GAUSS, *SHORT_JOB)
 
-    run_launcher_killed_after(_module(backend), 8, "--nproc", "2", f"trainer.run_dir={killed}", *HL_GAUSS, *SHORT_JOB)
-    if backend == "fsdp":  # resuming the HL-Gauss run as an mse critic: one line naming the key, nothing written
+    def refuses_resuming_as_mse(killed):  # one line naming the key, nothing written
         before = sorted(os.listdir(killed / "checkpoints"))
-        refused = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *HL_GAUSS, *SHORT_JOB,
-                               "engine.loss.kind=mse", "--resume")
+        refused = run_launcher(_module(backend), f"trainer.run_dir={killed}", *args, "engine.loss.kind=mse", "--resume")
         assert refused.returncode != 0
         assert "engine.loss.kind: 'hl_gauss' in the run, 'mse' now" in refused.stderr, refused.stderr[-2000:]
         assert sorted(os.listdir(killed / "checkpoints")) == before
 
-    resumed = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *HL_GAUSS, *SHORT_JOB,
-                           "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
-    assert_same_exported_weights(whole, killed)
-    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    assert_killed_run_resumes_identically(_module(backend), tmp_path, *args,
+                                          before_resume=refuses_resuming_as_mse if backend == "fsdp" else None)
 
 
 if __name__ == "__main__":

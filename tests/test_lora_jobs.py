@@ -7,9 +7,8 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
-                                                   run_pytest)
-from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after
+from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
+from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, run_launcher
 
 BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
 LORA = ["engine.lora.rank=16"]
@@ -36,17 +35,7 @@ def test_the_default_job_learns_with_a_lora_critic(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_killed_lora_run_resumes_to_identical_weights(backend, tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    result = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={whole}", *LORA, *SHORT)
-    assert result.returncode == 0, result.stderr[-4000:]
-
-    run_launcher_killed_after(_module(backend), 8, "--nproc", "2", f"trainer.run_dir={killed}", *LORA, *SHORT)
-
-    resumed = run_launcher(_module(backend), "--nproc", "2", f"trainer.run_dir={killed}", *LORA, *SHORT, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
-    assert_same_exported_weights(whole, killed)
-    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    assert_killed_run_resumes_identically(_module(backend), tmp_path, "--nproc", "2", *LORA, *SHORT)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,23 @@ def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | 
     process.wait(timeout=120)
     assert not any(line.startswith("final explained_variance") for line in seen), "run finished before the kill"
     return seen
+
+
+def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, env: dict | None = None,
+                                          before_resume=None) -> None:
+    """The whole run, and the same run SIGKILLed after its step-8 checkpoint then `--resume`d, end
+    with bit-identical exports and the same final explained variance (run_root/whole, /killed).
+    `before_resume(killed_dir)`: what to check on the killed run first."""
+    from .helpers import assert_same_exported_weights, final_explained_variance
+
+    whole, killed = run_root / "whole", run_root / "killed"
+    result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_launcher_killed_after(launcher, 8, f"trainer.run_dir={killed}", *args, env=env)
+    if before_resume is not None:
+        before_resume(killed)
+    resumed = run_launcher(launcher, f"trainer.run_dir={killed}", *args, "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout
+    assert_same_exported_weights(whole, killed)
+    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)

@@ -142,8 +142,7 @@ class CriticAdaptersEngine(BaseEngine):
         """verl's micro-batches through our engine; verl's output layout (see the module docstring)."""
         group = self.get_data_parallel_group()
         (tokens,) = all_reduce([float(data["loss_mask"].sum())], group=group)
-        tu.assign_non_tensor(data, batch_num_tokens=int(tokens))
-        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+        tu.assign_non_tensor(data, batch_num_tokens=int(tokens), dp_size=self.get_data_parallel_size())
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         device = self.dist.device

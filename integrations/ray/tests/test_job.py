@@ -9,9 +9,9 @@ import sys
 
 from safetensors.torch import load_file
 
-from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
+from critic_adapters.common.tests.helpers import (SHORT_JOB, final_explained_variance,
                                                    run_pytest)
-from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_killed_after, worker_env
+from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, run_launcher, worker_env
 
 MODULE = "critic_adapters.integrations.ray.train"
 SHORT = SHORT_JOB
@@ -36,16 +36,7 @@ def test_the_default_job_learns_on_a_ray_group(tmp_path):
 
 
 def test_a_killed_run_resumes_to_identical_weights(tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    env = ray_env(tmp_path)
-    result = run_launcher(MODULE, "--num-workers", "2", f"trainer.run_dir={whole}", *SHORT, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    run_launcher_killed_after(MODULE, 8, "--num-workers", "2", f"trainer.run_dir={killed}", *SHORT, env=env)
-    resumed = run_launcher(MODULE, "--num-workers", "2", f"trainer.run_dir={killed}", *SHORT, "--resume", env=env)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
-    assert_same_exported_weights(whole, killed)
-    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    assert_killed_run_resumes_identically(MODULE, tmp_path, "--num-workers", "2", *SHORT, env=ray_env(tmp_path))
 
 
 def test_the_example_ppo_loop_runs_and_its_critic_learns(tmp_path):
