@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from . import packed_attention
+from . import packed_attention, ulysses
 from .batching import MicroBatch
 from .checkpoints import (
     check_meta,
@@ -61,8 +61,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def attention_for(config: EngineConfig, padded: str | None = None) -> str | None:
-    """Explicit choice wins; packed rows use varlen flash-attention, else our per-sequence
-    attention; padded rows `padded` (None: transformers' default)."""
+    """Ulysses (engine.parallel.ulysses > 1) takes our Ulysses attention, packed or padded; else the
+    explicit choice wins; packed rows use varlen flash-attention, else our per-sequence attention;
+    padded rows `padded` (None: transformers' default)."""
+    if config.parallel.ulysses > 1:
+        chosen = config.model.attn_implementation
+        if chosen not in (None, ulysses.ATTENTION_NAME):
+            raise ValueError(f"engine.model.attn_implementation={chosen!r} cannot split heads across ranks: with "
+                             f"engine.parallel.ulysses={config.parallel.ulysses} leave it unset (the engine uses "
+                             f"{ulysses.ATTENTION_NAME})")
+        return ulysses.register()
     if config.model.attn_implementation is not None:
         return config.model.attn_implementation
     if config.batching.packing:
@@ -92,6 +100,10 @@ class FSDP2Engine(abc.ABC):
         self._owns_mesh = mesh is None
         self.parallel = mesh if mesh is not None else self._build_mesh()
         self.dp_group, self.dp_rank, self.dp_size = self.parallel.dp_group, self.parallel.dp_rank, self.parallel.dp_size
+        # The ranks FSDP shards over (dp x sp): checkpoints, exports and gradient averaging use them.
+        self.shard_group, self.shard_size = self.parallel.shard_group, self.parallel.shard_size
+        self.is_shard_main = self.parallel.shard_rank == 0
+        self.sp_group = self.parallel.groups["sp"] if self.parallel.sizes["sp"] > 1 else None
         # The engine's own randomness (nothing in training draws from it today; saved in checkpoints).
         self.generator = torch.Generator().manual_seed(config.seed)
         try:
@@ -130,18 +142,27 @@ class FSDP2Engine(abc.ABC):
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
         return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
 
-    def _forward(self, mb: MicroBatch, row_length: int, *, bins: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values of the micro-batch's rows laid out [len(rows), row_length], the raw model output);
-        bins=True: an HL-Gauss critic's bin logits instead ([len(rows), row_length, num_bins])."""
+    @contextlib.contextmanager
+    def _forward(self, mb: MicroBatch, row_length: int, *, bins: bool = False):
+        """Yields (values of the micro-batch's rows laid out [len(rows), row_length], the raw model
+        output); bins=True: an HL-Gauss critic's bin logits instead ([len(rows), row_length, num_bins]).
+        Run the backward inside the block: under Ulysses the micro-batch's split stays active there
+        (recomputed attention needs it)."""
         device = self.dist.device
-        with quiet_fsdp_views():
-            values = (compute_bin_logits if bins else compute_values)(
-                self.model,
-                mb.input_ids.to(device),
-                None if mb.attention_mask is None else mb.attention_mask.to(device),
-                None if mb.position_ids is None else mb.position_ids.to(device),
-            )
-        return mb.unpack(values, row_length), values
+        run = compute_bin_logits if bins else compute_values
+        if self.sp_group is None:
+            with quiet_fsdp_views():
+                values = run(self.model, mb.input_ids.to(device),
+                             None if mb.attention_mask is None else mb.attention_mask.to(device),
+                             None if mb.position_ids is None else mb.position_ids.to(device))
+                yield mb.unpack(values, row_length), values
+            return
+        # Ulysses: this rank runs its slice of the columns; the values come back whole.
+        split = ulysses.split_micro_batch(mb, self.sp_group)
+        with ulysses.active(split), quiet_fsdp_views():
+            local = run(self.model, split.input_ids.to(device), None, split.position_ids.to(device))
+            values = split.gather(local)
+            yield mb.unpack(values, row_length), values
 
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -151,9 +172,9 @@ class FSDP2Engine(abc.ABC):
         self.model.eval()
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
         for mb in self._micro_batches(input_ids, attention_mask):
-            values, _ = self._forward(mb, input_ids.shape[1])
-            if mb.rows:
-                out[mb.rows] = values.cpu()
+            with self._forward(mb, input_ids.shape[1]) as (values, _):
+                if mb.rows:
+                    out[mb.rows] = values.cpu()
         self._settle()
         return out
 
@@ -167,15 +188,16 @@ class FSDP2Engine(abc.ABC):
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
         bins = stats.support is not None  # HL-Gauss: the loss takes the bin logits
         for mb in self._micro_batches(batch.input_ids, batch.attention_mask):
-            values, raw = self._forward(mb, batch.input_ids.shape[1], bins=bins)
-            if not mb.rows:
-                (raw.sum() * 0.0).backward()  # keep this rank in step with the others' collectives
-                continue
-            loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
-                                          batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
-            # FSDP averages gradients over DP ranks; the loss is already the global mean, so undo that.
-            with quiet_fsdp_views():
-                (loss * self.dp_size).backward()
+            with self._forward(mb, batch.input_ids.shape[1], bins=bins) as (values, raw):
+                if not mb.rows:
+                    (raw.sum() * 0.0).backward()  # keep this rank in step with the others' collectives
+                    continue
+                loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
+                                              batch.returns[mb.rows].to(device),
+                                              batch.response_mask[mb.rows].to(device))
+                # FSDP averages gradients over its shard ranks; the loss is already the global mean
+                # (and a Ulysses rank's gradient is only its tokens' share), so undo that.
+                (loss * self.shard_size).backward()
         return stats
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -200,22 +222,21 @@ class FSDP2Engine(abc.ABC):
         sizes them, as verl's micro-batches are. `loss_fn(values)` gets the float32 [B, T] values
         (unshifted, on the device, with gradients) and returns a scalar loss that is backpropagated
         as it is: FSDP averages gradients over the data-parallel ranks, so a loss normalised over
-        the global batch carries a factor dp_size (verl's agg_loss does). Gradients accumulate
+        the global batch carries a factor dp_size (verl's agg_loss does; the Ulysses degree's factor
+        is the engine's). Gradients accumulate
         until step_optimizer. loss_fn None: values only, no graph. Every data-parallel rank calls
         it the same number of times. Returns (values, detached; the loss, detached, or None)."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
         train = loss_fn is not None
         self.model.train(train)
         mb = whole_micro_batch(input_ids, attention_mask, self.config.batching, group=self.dp_group)
-        with torch.set_grad_enabled(train):
-            rows, raw = self._forward(mb, input_ids.shape[1])
+        with torch.set_grad_enabled(train), self._forward(mb, input_ids.shape[1]) as (rows, raw):
             values = rows.new_zeros(input_ids.shape).index_put((torch.tensor(mb.rows, device=rows.device),), rows) \
                 if mb.rows else rows.new_zeros(input_ids.shape)
             loss = None
             if train:
                 loss = loss_fn(values) if mb.rows else raw.sum() * 0.0
-                with quiet_fsdp_views():
-                    loss.backward()
+                (loss * (self.shard_size // self.dp_size)).backward()
         if not train:
             self._settle()
         return values.detach(), None if loss is None else loss.detach()
@@ -250,12 +271,12 @@ class FSDP2Engine(abc.ABC):
         self._settle()
         state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        main = self.dp_rank == 0
-        with staged_checkpoint(directory, is_main=main, group=self.dp_group) as staging:
-            dcp.save(state, checkpoint_id=staging, process_group=self.dp_group)  # the ranks FSDP shards over
+        main = self.is_shard_main
+        with staged_checkpoint(directory, is_main=main, group=self.shard_group) as staging:
+            dcp.save(state, checkpoint_id=staging, process_group=self.shard_group)  # the ranks FSDP shards over
             if main:
                 save_trainer_state(staging, self, extra_state or {})
-                write_meta(staging, self.fingerprint, world_size=self.dp_size, backend=self.backend)
+                write_meta(staging, self.fingerprint, world_size=self.shard_size, backend=self.backend)
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore model, optimizer, scheduler and the engine's RNG in place; returns the saved extra state."""
@@ -266,7 +287,7 @@ class FSDP2Engine(abc.ABC):
                              f"it with backend=megatron, or start a new run from its hf_export")
         state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(state, checkpoint_id=directory, process_group=self.dp_group)
+        dcp.load(state, checkpoint_id=directory, process_group=self.shard_group)
         set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         return load_trainer_state(directory, self)
@@ -277,7 +298,7 @@ class FSDP2Engine(abc.ABC):
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         local = sum(s.numel() * s.element_size() for s in shards)
-        (total,) = all_reduce([float(local)], group=self.dp_group)
+        (total,) = all_reduce([float(local)], group=self.shard_group)
         return int(total) + 2**20
 
     def _full_state(self) -> dict:
@@ -289,11 +310,11 @@ class FSDP2Engine(abc.ABC):
         """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
         weights; what transforms added is folded back or dropped: common.transforms)."""
         full = self._full_state()
-        if self.dp_rank == 0:
+        if self.is_shard_main:
             plain = export_state_dict(full, engine_transforms(self.config))
             with self._export_config():
                 save_critic(self.model, directory, state_dict=plain, overwrite=True)
-        barrier(self.dp_group)
+        barrier(self.shard_group)
 
     def export_adapter(self, directory: str) -> None:
         """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py),
@@ -305,9 +326,9 @@ class FSDP2Engine(abc.ABC):
         from .valuehead.config import head_name
 
         full = self._full_state()
-        if self.dp_rank == 0:
+        if self.is_shard_main:
             write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
-        barrier(self.dp_group)
+        barrier(self.shard_group)
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the whole critic (full shapes, not this rank's shards)."""
@@ -318,7 +339,7 @@ class FSDP2Engine(abc.ABC):
         """Release the sharded model and optimizer (and the mesh, when the engine built it). Call
         before destroying the process group (common.distributed.shutdown)."""
         self.model = self.optimizer = self.scheduler = None
-        self.dp_group = None  # a closed engine holds no process group (shutdown can then end them)
+        self.dp_group = self.shard_group = self.sp_group = None  # a closed engine holds no process group
         self._release_all()
 
     def _release_all(self) -> None:

@@ -7,6 +7,11 @@ them out): pp, dp, cp, sp (Ulysses), tp. The FSDP2-based engines build theirs wi
 `build_mesh(parallel, dist)` (a torch DeviceMesh); megatron and VeOmni wrap the groups their
 libraries create (`ParallelMesh.from_groups`). Loading, DCP, loss normalisation and metric
 reductions use `dp_group`; collectives that every rank of the engine joins use `world_group`.
+
+The sequence-splitting dimensions (cp, sp) hold the same rows as their data-parallel rank but
+different tokens of them, so their gradients add up: an FSDP engine shards over and averages
+gradients across `shard_group` (dp x cp x sp), while the rows, the loss normaliser and the metrics
+stay per data-parallel rank.
 """
 
 from __future__ import annotations
@@ -34,10 +39,30 @@ class ParallelMesh:
     world_group: object
     """Every rank of the engine (the default group unless a host gave a sub-world)."""
     device_mesh: object = None
-    """The torch DeviceMesh the groups came from, when build_mesh made them (FSDP shards over its "dp")."""
+    """The torch DeviceMesh the groups came from, when build_mesh made them."""
+    shard_group: object = None
+    """The ranks parameters are sharded over and gradients averaged across: dp x cp x sp (the
+    dp group itself when the sequence is not split)."""
+    shard_device_mesh: object = None
+    """shard_group as a 1-D DeviceMesh, when the groups came from one (what FSDP2 takes)."""
 
     def __post_init__(self):
         assert set(self.sizes) == set(DIMS) and set(self.coords) == set(DIMS), (self.sizes, self.coords)
+        if self.shard_group is None:
+            self.shard_group = self.groups.get("dp")
+
+    @property
+    def shard_size(self) -> int:
+        return self.sizes["dp"] * self.sizes["cp"] * self.sizes["sp"]
+
+    @property
+    def shard_rank(self) -> int:
+        return torch_dist.get_rank(self.shard_group) if self.shard_size > 1 else 0
+
+    @property
+    def sequence_split(self) -> int:
+        """How many ranks share each sequence (cp x sp): 1 when every rank holds whole sequences."""
+        return self.sizes["cp"] * self.sizes["sp"]
 
     @property
     def dp_group(self):
@@ -69,11 +94,11 @@ class ParallelMesh:
     def release(self) -> None:
         """Forget the groups (they belong to the default group; destroy_process_group ends them)."""
         self.groups.clear()
-        self.world_group = self.device_mesh = None
+        self.world_group = self.device_mesh = self.shard_group = self.shard_device_mesh = None
 
     @classmethod
     def from_groups(cls, *, sizes: dict[str, int], groups: dict[str, object], world_group=None,
-                    device_mesh=None) -> "ParallelMesh":
+                    device_mesh=None, shard_group=None, shard_device_mesh=None) -> "ParallelMesh":
         """A mesh over groups that already exist (a library's, or a host's): the coordinates are this
         rank's index in each group; dimensions not named have degree 1 and a group of this rank alone
         is not needed for them (None)."""
@@ -85,8 +110,13 @@ class ParallelMesh:
                 actual = torch_dist.get_world_size(group)
                 assert actual == full_sizes[dim], f"{dim} group has {actual} ranks, the mesh says {full_sizes[dim]}"
         assert full_groups["dp"] is not None, "a mesh needs its data-parallel group"
+        split = full_sizes["cp"] * full_sizes["sp"]
+        assert split == 1 or shard_group is not None, "a mesh that splits sequences needs its shard group (dp x cp x sp)"
+        if shard_group is not None:
+            actual = torch_dist.get_world_size(shard_group)
+            assert actual == full_sizes["dp"] * split, f"shard group has {actual} ranks, dp x cp x sp is {full_sizes['dp'] * split}"
         return cls(full_sizes, coords, full_groups, world_group if world_group is not None else torch_dist.group.WORLD,
-                   device_mesh)
+                   device_mesh, shard_group, shard_device_mesh)
 
 
 def _product(values) -> int:
@@ -107,11 +137,15 @@ def build_mesh(parallel: ParallelConfig, dist: DistContext) -> ParallelMesh:
     """The mesh of every rank of the default group (collective: every rank calls it, in the same order).
 
     The DeviceMesh has the dimensions of degree > 1, plus "dp" always, so FSDP has a data-parallel
-    mesh to shard over even when it is one rank."""
+    mesh to shard over even when it is one rank; with a split sequence (cp or sp > 1), FSDP shards
+    over dp x cp x sp flattened into one dimension, "shard"."""
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = mesh_sizes(parallel, dist.world_size)
     names = tuple(dim for dim in DIMS if sizes[dim] > 1 or dim == "dp")
     device_mesh = init_device_mesh(dist.device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
     groups = {dim: device_mesh.get_group(dim) for dim in names}
-    return ParallelMesh.from_groups(sizes=sizes, groups=groups, device_mesh=device_mesh)
+    split_dims = tuple(dim for dim in ("dp", "cp", "sp") if dim in names)
+    shard_mesh = device_mesh[split_dims]._flatten("shard") if len(split_dims) > 1 else device_mesh["dp"]
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups, device_mesh=device_mesh,
+                                    shard_group=shard_mesh.get_group(), shard_device_mesh=shard_mesh)

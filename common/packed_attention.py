@@ -48,7 +48,14 @@ def segment_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 def sequence_bounds(position_ids: torch.Tensor):
     """Within this block, packed attention splits row b at the restarts of position_ids[b] (B, N)."""
     assert position_ids.dim() == 2, f"expected (B, N) position ids, got {tuple(position_ids.shape)}"
-    token = _BOUNDS.set([segment_bounds(row) for row in position_ids.cpu()])
+    with stated_bounds([segment_bounds(row) for row in position_ids.cpu()]):
+        yield
+
+
+@contextlib.contextmanager
+def stated_bounds(spans: list[list[tuple[int, int]]]):
+    """Within this block, packed attention splits row b into spans[b] ([(start, end)])."""
+    token = _BOUNDS.set(spans)
     try:
         yield
     finally:

@@ -78,14 +78,16 @@ class BackendSpec:
 BACKENDS: dict[str, BackendSpec] = {
     "fsdp": BackendSpec(
         factory=".backends.fsdp.engine:FSDPCriticEngine",
+        parallel_dims=frozenset({"ulysses"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.fsdp.train",
         default_config="backends/fsdp/configs/default.yaml",
+        check_layout=".common.ulysses:check_layout",
     ),
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
-        parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel"}),
+        parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "lora.rank"}),
         launcher=".backends.megatron.train",
         default_config="backends/megatron/configs/default.yaml",
@@ -93,10 +95,12 @@ BACKENDS: dict[str, BackendSpec] = {
     ),
     "veomni": BackendSpec(
         factory=".backends.veomni.engine:VeOmniCriticEngine",
+        parallel_dims=frozenset({"ulysses"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",
         default_config="backends/veomni/configs/default.yaml",
+        check_layout=".common.ulysses:check_layout",
     ),
 }
 

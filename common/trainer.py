@@ -161,6 +161,20 @@ def check_model_values(predictions: torch.Tensor, response_mask: torch.Tensor, c
                          f"{__package__}.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
 
 
+def _sequence_split_note(engine) -> str:
+    """', each sequence split over N ranks (ulysses N)' when the engine splits sequences, else ''."""
+    mesh = getattr(engine, "parallel", None)
+    sizes = getattr(mesh, "sizes", None) or {}
+    split = {name: sizes.get(dim, 1) for name, dim in (("context", "cp"), ("ulysses", "sp"))}
+    split = {name: degree for name, degree in split.items() if degree > 1}
+    if not split:
+        return ""
+    total = 1
+    for degree in split.values():
+        total *= degree
+    return f", each sequence split over {total} ranks ({', '.join(f'{n} {d}' for n, d in split.items())})"
+
+
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
     part = rollouts.select(index)
     return RolloutBatch(part.input_ids, part.attention_mask, part.response_mask, part.old_values, part.returns)
@@ -276,7 +290,8 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
         f"{', hf_export/' if trainer.export_hf else ''}{', training.png' if trainer.plot else ''})")
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
         f"{trainer.epochs} epochs, mini-batch {mini} sequences over "
-        f"{getattr(engine, 'data_parallel_ranks', engine.dp_size)} data-parallel rank(s)")
+        f"{getattr(engine, 'data_parallel_ranks', engine.dp_size)} data-parallel rank(s)"
+        f"{_sequence_split_note(engine)}")
 
     position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if resuming:

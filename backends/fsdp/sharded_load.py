@@ -1,14 +1,14 @@
 """Build a sharded critic without any rank but the first holding the whole model.
 
-Every rank builds the critic's module tree on the meta device and shards it; only data-parallel
-rank 0 reads the checkpoint (load_critic: any format, the head checks, the load report). Its full
+Every rank builds the critic's module tree on the meta device and shards it; only rank 0 of the
+shard group (the data-parallel ranks, times the Ulysses degree) reads the checkpoint (load_critic: any format, the head checks, the load report). Its full
 state is then broadcast tensor by tensor into the other ranks' shards
 (`set_model_state_dict(broadcast_from_rank0=True)`), so a rank other than 0 holds its shard plus
 one tensor in flight — never the whole model, nor the checkpoint's mapped pages. Buffers, which
 FSDP does not shard (rotary frequencies), follow from rank 0 the same way.
 
 The configured transforms (common/transforms.py) rewrite the critic between loading and sharding:
-rank 0's loaded copy and every rank's meta tree alike. With one data-parallel rank there is nothing
+rank 0's loaded copy and every rank's meta tree alike. With one shard rank there is nothing
 to shard: the critic is loaded and transformed as it is.
 """
 
@@ -39,10 +39,10 @@ def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | No
 
 
 def _fsdp_device_mesh(mesh: ParallelMesh, device_type: str) -> DeviceMesh:
-    """The DeviceMesh FSDP shards over: the mesh's data-parallel dimension."""
-    if mesh.device_mesh is not None:
-        return mesh.device_mesh["dp"]
-    return DeviceMesh.from_group(mesh.dp_group, device_type)
+    """The DeviceMesh FSDP shards over: the mesh's shard dimension (dp, times the Ulysses degree)."""
+    if mesh.shard_device_mesh is not None:
+        return mesh.shard_device_mesh
+    return DeviceMesh.from_group(mesh.shard_group, device_type)
 
 
 def load_sharded_critic(
@@ -57,18 +57,18 @@ def load_sharded_critic(
     mesh: ParallelMesh,
 ) -> tuple[torch.nn.Module, LoadReport]:
     """(the transformed, parallelised critic on `device`, rank 0's load report) on every rank of the
-    mesh's data-parallel group."""
-    dp_group = mesh.dp_group
-    rank = mesh.dp_rank
+    mesh's shard group (its data-parallel ranks, times the Ulysses degree)."""
+    dp_group = mesh.shard_group
+    rank = mesh.shard_rank
     fsdp_mesh = _fsdp_device_mesh(mesh, device.type)
-    if mesh.dp_size == 1:
+    if mesh.shard_size == 1:
         model, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
         return parallelize(transform(model.to(device)), fsdp_mesh), report
 
     # set_model_state_dict(broadcast_from_rank0) broadcasts over the default group: shard over every
     # rank, or over one (above).
-    if mesh.dp_size != torch_dist.get_world_size():
-        raise ValueError(f"the fsdp backend shards over every process or none: {mesh.dp_size} data-parallel ranks "
+    if mesh.shard_size != torch_dist.get_world_size():
+        raise ValueError(f"the fsdp backend shards over every process or none: {mesh.shard_size} shard ranks "
                          f"of {torch_dist.get_world_size()} processes is not a layout it can load")
     full_state, buffers, report = {}, {}, None
     if rank == 0:

@@ -15,8 +15,9 @@ VeOmni's own logic done for it.
      `parallelize_one_rank()` does what VeOmni does there for a critic: non-reentrant gradient
      checkpointing (no dtype change: the weights stay in the dtype they were built in).
   4. Ulysses: VeOmni's sequence-parallel attention is flash-attention / flex-attention /
-     magi-attention with all-to-all around it; none of them has a CPU backward. The backend does
-     not implement engine.parallel.ulysses yet (its BackendSpec lists no such dimension).
+     magi-attention with all-to-all around it; none of them has a CPU backward. The engine uses
+     common/ulysses.py instead (on every device), under its own attention name, so VeOmni's
+     Ulysses code paths are never entered.
 """
 
 from __future__ import annotations

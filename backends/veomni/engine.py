@@ -4,7 +4,9 @@ with VeOmni's optimizer and LR schedule and the shared mini-batch-normalised cli
 
 Built through common.registry.build_engine("veomni", config, dist); the engine API and everything
 but building is common.fsdp2_core.FSDP2Engine's (the contract: common/engine.py). Every rank is a
-data-parallel rank (Ulysses is not implemented yet: the registry refuses it by key).
+data-parallel rank, or, with engine.parallel.ulysses = N, a rank of a Ulysses group (common/ulysses.py:
+our attention, not VeOmni's, which has no CPU backward) that VeOmni's FSDP2 shards over with the
+data-parallel ranks.
 
 VeOmni keeps global state: its parallel state (a process global plus a topology cache), its ops
 configuration (a singleton set by build_foundation_model), the attention functions it registers
@@ -64,8 +66,13 @@ class VeOmniCriticEngine(FSDP2Engine):
             value_model.check_family_registered(self.hf_config)
             sizes = mesh_sizes(self.config.parallel, self.dist.world_size)
             self.parallel_state = parallelize.init_parallel_state(self.dist.world_size, self.config.parallel.ulysses)
-        return ParallelMesh.from_groups(sizes=sizes, groups={"dp": self.parallel_state.dp_group},
-                                        device_mesh=self.parallel_state.device_mesh)
+        state = self.parallel_state
+        if self.config.parallel.ulysses == 1:
+            return ParallelMesh.from_groups(sizes=sizes, groups={"dp": state.dp_group}, device_mesh=state.device_mesh)
+        # Ulysses: VeOmni's FSDP shards over its dp_shard_sp dimension (data parallel x Ulysses).
+        return ParallelMesh.from_groups(sizes=sizes, groups={"dp": state.dp_group, "sp": state.ulysses_group},
+                                        device_mesh=state.device_mesh, shard_group=state.fsdp_mesh.get_group(),
+                                        shard_device_mesh=state.fsdp_mesh)
 
     @contextlib.contextmanager
     def _veomni(self):
@@ -86,7 +93,7 @@ class VeOmniCriticEngine(FSDP2Engine):
     def _build_model(self):
         """Rank 0 writes the checkpoint in the TokenCls layout; VeOmni builds the critic from it (on
         meta and sharded, rank 0 reading and broadcasting, with 2+ ranks), then the dispatch checks."""
-        model_cfg, fsdp = self.config.model, self.dp_size > 1
+        model_cfg, fsdp = self.config.model, self.shard_size > 1
         transforms = engine_transforms(self.config)
         load_kwargs = dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
                            fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
@@ -124,7 +131,7 @@ class VeOmniCriticEngine(FSDP2Engine):
                 model = parallelize.parallelize(model, self.config, fsdp=fsdp, weights_path=weights_dir)
             value_model.check_materialized(model)
             with quiet_fsdp_views():
-                value_model.check_probe_output(model, self.hf_config, device)
+                value_model.check_probe_output(model, self.hf_config, device, sp_group=self.sp_group)
             reshard(model)
         finally:
             barrier()  # every rank has read what it needs before rank 0 removes the directory

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from ...common import ulysses
+from ...common.batching import pack
 from ...common.packed_attention import sequence_bounds
 from ...common.valuehead import LoadReport, load_critic, save_critic
 from ...common.valuehead.config import architecture_name, head_name
@@ -155,15 +157,23 @@ def check_materialized(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device) -> None:
-    """A [1, 4] probe gives [1, 4, 1] real (not meta) outputs. Every rank runs it (FSDP collectives)."""
+def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device, sp_group=None) -> None:
+    """A [1, 4] probe gives [1, 4, 1] real (not meta) outputs. Every rank runs it (FSDP collectives;
+    with a Ulysses group, each rank its share of the probe's columns)."""
     expected = architecture_name(critic_cfg)
-    ids = torch.arange(4, device=device)[None] % critic_cfg.get_text_config().vocab_size
-    positions = torch.arange(4, device=device)[None]
+    ids = torch.arange(4)[None] % critic_cfg.get_text_config().vocab_size
+    positions = torch.arange(4)[None]
     was_training = model.training
     model.eval()
-    with sequence_bounds(positions):
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    if sp_group is None:
+        with sequence_bounds(positions):
+            logits = model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False).logits
+    else:
+        split = ulysses.split_micro_batch(pack(ids, torch.ones_like(ids), [0]), sp_group)
+        with ulysses.active(split):
+            logits = model(input_ids=split.input_ids.to(device), position_ids=split.position_ids.to(device),
+                           use_cache=False).logits
+            logits = logits if logits.is_meta else split.gather(logits)
     model.train(was_training)
     if logits.is_meta:
         raise _dispatch_error("its output on a probe is on the meta device (weights never loaded)", model, expected)

@@ -93,7 +93,7 @@ def test_engine_rng_is_saved_and_restored_with_the_checkpoint(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("key,value", [("tensor", 2), ("pipeline", 2), ("context", 2), ("ulysses", 2)])
+@pytest.mark.parametrize("key,value", [("tensor", 2), ("pipeline", 2), ("context", 2)])
 def test_parallel_degrees_fsdp_lacks_are_refused_by_key(tmp_path, key, value):
     config = EngineConfig(model=ModelConfig(path="unused"), parallel=ParallelConfig(**{key: value}))
     with pytest.raises(ValueError, match=rf"fsdp backend does not implement engine\.parallel\.{key}={value}"):

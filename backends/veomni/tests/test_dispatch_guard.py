@@ -92,8 +92,9 @@ def test_meta_parameters_are_refused():
 
 
 def test_parallel_degrees_it_lacks_are_refused_by_key():
-    with pytest.raises(ValueError, match="does not implement engine.parallel.ulysses=2"):
-        check_engine_config("veomni", EngineConfig(parallel=ParallelConfig(ulysses=2)))
+    with pytest.raises(ValueError, match=r"does not implement engine.parallel.context=2 \(offered by backend=megatron\)"):
+        check_engine_config("veomni", EngineConfig(parallel=ParallelConfig(context=2)))
+    check_engine_config("veomni", EngineConfig(parallel=ParallelConfig(ulysses=2)))  # Ulysses: implemented
     with pytest.raises(ValueError, match=r"engine.parallel.tensor=2 \(offered by backend=megatron\)"):
         check_engine_config("veomni", EngineConfig(parallel=ParallelConfig(tensor=2)))
 
