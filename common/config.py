@@ -153,10 +153,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism over the tensor-parallel group; needs tensor > 1."""
     context: int = 1
-    """Context-parallel degree: the sequence split across ranks in attention (no backend implements
-    it yet)."""
+    """Context-parallel degree (megatron): each rank holds 1/N of every sequence, in the load-balanced
+    layout, and attention gathers keys and values over the group."""
     ulysses: int = 1
-    """Ulysses sequence-parallel degree (no backend implements it yet: each refuses it by key)."""
+    """Ulysses sequence-parallel degree (fsdp, veomni): each rank holds 1/N of every micro-batch's
+    tokens; attention trades sequence for heads with an all-to-all (common/ulysses.py)."""
 
     def __post_init__(self):
         for name in ("tensor", "pipeline", "context", "ulysses"):

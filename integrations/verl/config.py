@@ -89,6 +89,8 @@ def _mapped(model_config, engine_config, optimizer_config) -> dict:
         "optim": optim,
         "gradient_checkpointing": bool(getattr(model_config, "enable_gradient_checkpointing", False)),
         "seed": int(getattr(engine_config, "seed", 0) or 0),
+        # verl's Ulysses degree is ours (fsdp, veomni; megatron refuses it by key).
+        "parallel": {"ulysses": int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1)},
     }
 
 

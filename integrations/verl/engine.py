@@ -121,10 +121,10 @@ class CriticAdaptersEngine(BaseEngine):
 
     def is_mp_src_rank_with_outputs(self):
         """One rank per data-parallel share reports outputs: megatron's first tensor rank of the
-        last pipeline stage; every rank of the FSDP2-based backends."""
+        last pipeline stage; the FSDP2-based backends' first rank of each Ulysses group."""
         if self.backend == "megatron":
             return self.engine.tp_rank == 0 and self.engine.last_stage
-        return True
+        return self.engine.parallel.coords["sp"] == 0
 
     # -- the step --------------------------------------------------------------------------------------
     def optimizer_zero_grad(self):

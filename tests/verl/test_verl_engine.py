@@ -57,7 +57,8 @@ def critic_dir(tmp_path_factory):
 
 
 # (backend, processes): verl's own engine runs data parallel on the same processes.
-PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp", 2), ("megatron-tp2", 2)]
+PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp", 2), ("megatron-tp2", 2), ("fsdp-sp2", 2)]
+PEERS = ("-tp2", "-sp2")  # model-parallel peers: verl collects outputs from the first rank of each
 
 
 def run_parity(backend: str, processes: int, critic_dir: str, tmp_path) -> list[dict]:
@@ -77,8 +78,8 @@ def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic
     checked = 0
     for result in run_parity(backend, processes, critic_dir, tmp_path):
         ours, verls = result[backend], result["verl-fsdp2"]
-        if ours["before"] is None:  # a tensor-parallel peer: verl collects outputs from its first rank only
-            assert backend.endswith("-tp2") and ours["metrics"] is None
+        if ours["before"] is None:  # a TP / Ulysses peer: verl collects outputs from its first rank only
+            assert backend.endswith(PEERS) and ours["metrics"] is None
             continue
         checked += 1
         assert ours["engine"] == "CriticAdaptersEngine" and verls["engine"] == "FSDPEngineWithValueHead"
@@ -105,7 +106,7 @@ def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic
         if processes == 1:  # one rank sees every micro-batch's metrics
             assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
             assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)
-    assert checked == processes // (2 if backend.endswith("-tp2") else 1)
+    assert checked == processes // (2 if backend.endswith(PEERS) else 1)
 
 
 def test_a_checkpoint_saved_through_verl_resumes_bit_identically(critic_dir, tmp_path):

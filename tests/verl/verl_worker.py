@@ -85,14 +85,20 @@ def tensor_degree(backend: str) -> int:
     return int(backend.partition("-tp")[2] or 1)
 
 
+def ulysses_degree(backend: str) -> int:
+    """'fsdp-sp2': fsdp at Ulysses degree 2, set through verl's own ulysses_sequence_parallel_size."""
+    return int(backend.partition("-sp")[2] or 1)
+
+
 def make_worker(model_dir: str, backend: str) -> TrainingWorker:
     """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours
-    ('fsdp', 'veomni', 'megatron', 'megatron-tp2')."""
+    ('fsdp', 'veomni', 'megatron', 'megatron-tp2', 'fsdp-sp2')."""
     if backend == "verl-fsdp2":
         engine = FSDPEngineConfig(strategy="fsdp2", **ENGINE_FIELDS)
     else:
         engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend.partition("-")[0], critic_adapters={
-            "parallel": {"tensor": tensor_degree(backend)}}, **ENGINE_FIELDS)
+            "parallel": {"tensor": tensor_degree(backend)}}, ulysses_sequence_parallel_size=ulysses_degree(backend),
+            **ENGINE_FIELDS)
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
                           enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
     worker = TrainingWorker(TrainingWorkerConfig(
@@ -218,7 +224,7 @@ def parity(model_dir: str, backend: str) -> dict:
     our compute_values on them, values before and after one train_mini_batch, its metrics."""
     out = {}
     for name in (backend, "verl-fsdp2"):
-        dp = WORLD // tensor_degree(name) if name != "verl-fsdp2" else WORLD
+        dp = WORLD // (tensor_degree(name) * ulysses_degree(name)) if name != "verl-fsdp2" else WORLD
         tensors, returns = padded_batch(data_parallel=dp)
         reference = our_values(model_dir, tensors)  # also the update's old values, on every rank
         worker = make_worker(model_dir, name)
