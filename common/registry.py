@@ -163,7 +163,8 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
 
         check_transforms(engine.transforms)
     if problems:
-        offers = ", ".join(sorted(spec.parallel_dims)) or "data parallel only"
+        offers = ("data parallel and " + ", ".join(f"engine.parallel.{dim}" for dim in sorted(spec.parallel_dims))
+                  if spec.parallel_dims else "data parallel only")
         keys = "the key" if len(problems) == 1 else "those keys"
         raise ValueError(f"the {name} backend does not implement {'; '.join(problems)}; it offers {offers}: unset "
                          f"{keys}, or choose a backend that offers {'it' if len(problems) == 1 else 'them'}")

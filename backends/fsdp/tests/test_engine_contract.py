@@ -106,7 +106,8 @@ def test_the_launcher_refuses_them_before_starting_any_process(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: the fsdp backend does not implement engine.parallel.pipeline=2 (offered by backend=megatron); "
-        "it offers data parallel only: unset the key, or choose a backend that offers it"], result.stderr
+        "it offers data parallel and engine.parallel.ulysses: unset the key, or choose a backend that offers it"], \
+        result.stderr
     assert not run_dir.exists()
     other = run_launcher(f"trainer.run_dir={run_dir}", "backend=megatron", "--dry-run")
     assert other.returncode == 2 and "this is the fsdp launcher; run python -m critic_adapters.backends.megatron.train" \
