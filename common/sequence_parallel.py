@@ -16,6 +16,10 @@ import torch
 import torch.distributed as torch_dist
 
 
+# torch 2.13 renamed reduce_scatter_tensor (now a deprecated alias) to reduce_scatter_single.
+_reduce_scatter = getattr(torch_dist, "reduce_scatter_single", None) or torch_dist.reduce_scatter_tensor
+
+
 def group_size(group) -> int:
     return torch_dist.get_world_size(group)
 
@@ -81,7 +85,7 @@ class _Gather(torch.autograd.Function):
         n = group_size(ctx.group)
         pieces = torch.stack(grad.chunk(n, dim=ctx.dim)).contiguous()
         out = pieces.new_empty(pieces.shape[1:])
-        torch_dist.reduce_scatter_tensor(out, pieces.flatten(0, 1), group=ctx.group)
+        _reduce_scatter(out, pieces.flatten(0, 1), group=ctx.group)
         return out, None, None, None
 
 

@@ -22,7 +22,8 @@ The shims, and why each exists (in megatron-core 0.16.1):
   8. The tensor-parallel linears advise setting CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream
      setting) once per process: marked as already given while the shims are installed.
   9. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
-     `pin_memory`) to cpu, for FP32Optimizer and the schedules.
+     `pin_memory`, `pin_memory=True`) to cpu, for FP32Optimizer and the schedules (there, context
+     parallelism's rotary slicing, get_pos_emb_on_this_cp_rank, builds a pinned CUDA index).
 megatron's distributed optimizer cannot run on CPU (it checks tensor type strings):
 the engine uses the plain one there.
 """
@@ -222,6 +223,8 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")
+        if kwargs.get("pin_memory"):  # pinned memory needs CUDA (get_pos_emb_on_this_cp_rank's index)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(torch.device("cpu") if i and _is_cuda(a) else a for i, a in enumerate(args))
         return func(*args, **kwargs)

@@ -82,12 +82,13 @@ def check_megatron_config(hf_config: PretrainedConfig, parallel: ParallelConfig,
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("engine.parallel.sequence_parallel=true needs engine.parallel.tensor > 1 (megatron splits "
                          "the sequence over the tensor-parallel ranks); set tensor: 2 or sequence_parallel: false")
-    if parallel.context != 1 or parallel.ulysses != 1:
-        raise ValueError(f"engine.parallel.context={parallel.context} / ulysses={parallel.ulysses}: the megatron "
-                         f"backend runs context=1 and ulysses=1 for now")
-    if world_size % (tp * pp):
+    if parallel.ulysses != 1:
+        raise ValueError(f"engine.parallel.ulysses={parallel.ulysses}: the megatron backend splits sequences with "
+                         f"context parallelism instead; set engine.parallel.context={parallel.ulysses}, ulysses=1")
+    cp = parallel.context
+    if world_size % (tp * pp * cp):
         raise ValueError(f"the world of {world_size} processes is not a multiple of engine.parallel.tensor * "
-                         f"pipeline = {tp * pp}; launch a multiple of {tp * pp} processes")
+                         f"pipeline * context = {tp * pp * cp}; launch a multiple of {tp * pp * cp} processes")
     return traits
 
 
@@ -140,6 +141,7 @@ def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

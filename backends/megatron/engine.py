@@ -1,10 +1,11 @@
 """Megatron-core critic engine: the shared critic's weights in a megatron GPTModel with tensor,
-pipeline, sequence and data parallelism, trained with megatron's schedules and optimizer and the
-mini-batch-normalised clipped value loss (common.update_step) as the loss closure.
+pipeline, sequence, context and data parallelism, trained with megatron's schedules and optimizer
+and the mini-batch-normalised clipped value loss (common.update_step) as the loss closure.
 
 Built through common.engine.build_engine("megatron", config, dist); see common/engine.py for the API.
-Every rank passes its data-parallel share (`dp_rank` of `dp_size`); the tensor- and
-pipeline-parallel peers of a rank pass the same rows.
+Every rank passes its data-parallel share (`dp_rank` of `dp_size`); the tensor-, pipeline- and
+context-parallel peers of a rank pass the same rows (context parallelism splits each micro-batch's
+sequences over them inside the engine, inputs.py, and gathers the values back).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class MegatronCriticEngine:
         weights, DDP, optimizer and schedule."""
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         self.parallel = parallelize.megatron_mesh(config.parallel, dist.world_size)
         self.dp_rank, self.dp_size, self.dp_group = self.parallel.dp_rank, self.parallel.dp_size, self.parallel.dp_group
         self.first_stage = parallel_state.is_pipeline_first_stage()
@@ -101,6 +103,12 @@ class MegatronCriticEngine:
 
         self.tf_config = transformer_config(self.hf_config, config, cpu=compat.cpu_mode())
         use_te = te_available()
+        if use_te and config.parallel.context > 1:
+            # TE's attention takes megatron's own CP (cp_comm_type); this engine's layout (inputs.py)
+            # is meant to match it but is untested there, so it is refused rather than guessed.
+            raise ValueError(f"engine.parallel.context={config.parallel.context} runs on the local layer spec "
+                             f"(attention.py), not with TransformerEngine: set engine.parallel.context=1, or run "
+                             f"without transformer_engine installed")
         tp = config.parallel.tensor
         shapes = convert.Shapes.of(self.hf_config, tp)
         with torch.random.fork_rng(devices=[]):  # megatron's init draws on the global RNG; overwritten below
@@ -124,6 +132,7 @@ class MegatronCriticEngine:
         self._accumulating = False  # forward_backward calls since the last step_optimizer
         # Sequence parallelism splits every micro-batch's sequence over the tensor ranks.
         self._multiple = tp if config.parallel.sequence_parallel else 1
+        self._cp_group = self.parallel.groups["cp"] if config.parallel.context > 1 else None
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
@@ -132,7 +141,7 @@ class MegatronCriticEngine:
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
-        inputs = model_inputs(mb, multiple=self._multiple, device=self.dist.device)
+        inputs = model_inputs(mb, multiple=self._multiple, cp_group=self._cp_group, device=self.dist.device)
         output = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask,
                        packed_seq_params=inputs.packed_seq_params)
         return output, functools.partial(loss_fn, mb, inputs)
@@ -184,7 +193,8 @@ class MegatronCriticEngine:
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
         micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
         # The schedule divides each micro-batch loss by their number and DDP averages over the
-        # data-parallel ranks; the loss here is already the global mean, so undo both.
+        # data-parallel ranks; the loss here is already the global mean, so undo both. (Context
+        # parallelism: the schedule's own x cp undoes DDP's 1 / cp, see parallelize.py.)
         scale = len(micro_batches) * self.dp_size
 
         def loss_fn(mb, inputs, output):
@@ -209,10 +219,14 @@ class MegatronCriticEngine:
         with compat.cuda_to_cpu():
             _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step()
-        # Each data-parallel share counted once, by its last-stage, tensor-rank-0 process; every
-        # rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
+        # Each data-parallel share counted once, by its last-stage, tensor- and context-rank-0 process;
+        # every rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
         return stats.metrics(grad_norm=float(grad_norm), lr=lr, tokens=float(batch.attention_mask.sum()),
-                             seconds=time.perf_counter() - start, counts=self.last_stage and self.tp_rank == 0)
+                             seconds=time.perf_counter() - start, counts=self._counts_share())
+
+    def _counts_share(self) -> bool:
+        """The one rank of each data-parallel share whose statistics count (its peers hold copies)."""
+        return self.last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
@@ -275,7 +289,7 @@ class MegatronCriticEngine:
         # A tensor-parallel shard counts on its rank, a replicated tensor once (on tensor rank 0).
         params = [p for p in self.model.parameters() if (p.requires_grad or not self.transforms)
                   and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
-        local = 3 * sum(p.numel() * 4 for p in params) if self.dp_rank == 0 else 0
+        local = 3 * sum(p.numel() * 4 for p in params) if self.dp_rank == 0 and self.cp_rank == 0 else 0
         (total,) = all_reduce([float(local)])
         return int(total) + 2**20
 
@@ -290,7 +304,7 @@ class MegatronCriticEngine:
         with LoRA, the HF critic's with peft's layers (`<module>.base_layer.weight`,
         `<module>.lora_A.default.weight`, ...), which common.lora maps to a plain critic or an adapter."""
         own = None
-        if self.dp_rank == 0:  # data-parallel replicas hold the same weights
+        if self.dp_rank == 0 and self.cp_rank == 0:  # data- and context-parallel replicas hold the same weights
             own = ((self.pp_rank, self.tp_rank), self.layout,
                    {k: v.detach().float().cpu() if v.is_floating_point() else v
                     for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")})

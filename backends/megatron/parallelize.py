@@ -1,11 +1,14 @@
 """Megatron's process groups, the DDP wrapper and the optimizer, in the order the engine needs them.
 
-  1. init_model_parallel / release_model_parallel: megatron's tensor / pipeline / data groups
+  1. init_model_parallel / release_model_parallel: megatron's tensor / pipeline / context / data groups
      (module globals in megatron.core.parallel_state) inside the default process group, reused
      when another engine or the host made them with the same degrees, and the model-parallel RNG
      tracker (the CPU one from compat.py without CUDA); the last release restores what was there.
   2. wrap_ddp: megatron's DistributedDataParallel (grad buffers, the data-parallel all-reduce that
      finalize_model_grads runs, plus the tensor-parallel all-reduce of sequence-parallel norms).
+     Its all-reduce spans data x context parallel and averages (1 / (dp * cp)): each context-parallel
+     rank holds the gradient of its own tokens only, and the schedule multiplies every loss by the
+     context-parallel degree, so the average of those is their sum, the whole gradient.
   3. build_optimizer: megatron's Adam with global grad-norm clipping across TP/PP ranks; its
      distributed optimizer on GPU (it cannot run on CPU, see compat.py).
 """
@@ -72,7 +75,8 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> None:
         _check_same_layout(parallel)
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor,
-                                                 pipeline_model_parallel_size=parallel.pipeline)
+                                                 pipeline_model_parallel_size=parallel.pipeline,
+                                                 context_parallel_size=parallel.context)
         _USAGE.created_groups = True
         if not compat.cpu_mode():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -119,11 +123,16 @@ def _forget_leftover_groups() -> None:
 
 
 def megatron_mesh(parallel: ParallelConfig, world_size: int) -> ParallelMesh:
-    """Megatron's groups (after init_model_parallel) as a common.mesh.ParallelMesh."""
+    """Megatron's groups (after init_model_parallel) as a common.mesh.ParallelMesh. Its "dp" is data
+    parallel without context parallelism: the context-parallel peers of a rank share its rows."""
     sizes = mesh_sizes(parallel, world_size)
-    groups = {"dp": parallel_state.get_data_parallel_group(), "tp": parallel_state.get_tensor_model_parallel_group(),
+    groups = {"dp": parallel_state.get_data_parallel_group(with_context_parallel=False),
+              "cp": parallel_state.get_context_parallel_group(),
+              "tp": parallel_state.get_tensor_model_parallel_group(),
               "pp": parallel_state.get_pipeline_model_parallel_group()}
-    return ParallelMesh.from_groups(sizes=sizes, groups=groups)
+    # DDP's gradient all-reduce spans the context-parallel ranks too (megatron's dp x cp group).
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups,
+                                    shard_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def wrap_ddp(model: torch.nn.Module, tf_config) -> DistributedDataParallel:

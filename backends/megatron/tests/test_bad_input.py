@@ -25,8 +25,8 @@ def build(path: str, world: int, **parallel):
     ({"tensor": 3}, 3, r"engine.parallel.tensor=3 must divide the attention heads \(4\) and the key/value heads \(2\)"),
     ({"pipeline": 4}, 4, r"engine.parallel.pipeline=4 is more than the model's 2 layers"),
     ({"sequence_parallel": True}, 1, r"sequence_parallel=true needs engine.parallel.tensor > 1"),
-    ({"tensor": 2}, 3, r"world of 3 processes is not a multiple of engine.parallel.tensor \* pipeline = 2"),
-    ({"context": 2}, 2, r"context=2"),
+    ({"tensor": 2}, 3, r"world of 3 processes is not a multiple of engine.parallel.tensor \* pipeline \* context = 2"),
+    ({"context": 2, "tensor": 2}, 2, r"tensor \* pipeline \* context = 4; launch a multiple of 4 processes"),
 ])
 def test_bad_parallel_layout(qwen2, parallel, world, message):
     group_before = torch.distributed.is_initialized()  # another test in this process may have made one
