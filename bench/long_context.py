@@ -52,9 +52,12 @@ WARMUP_TOKENS = 512
 def save_model(directory: str) -> str:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    from critic_adapters.common.valuehead._quiet import quiet_transformers
+
     torch.manual_seed(0)
     config = Qwen2Config(**MODEL, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    with quiet_transformers():  # no "Writing model shards" progress bar
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
 
 

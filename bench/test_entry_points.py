@@ -25,10 +25,12 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
     assert "--repeats" in result.stdout
 
 
-def test_runs_as_a_module(tmp_path):
-    result = _run([sys.executable, "-m", "critic_adapters.bench.critic_update", "--help"], cwd=tmp_path,
+@pytest.mark.parametrize("module,option", [("critic_update", "--repeats"), ("long_context", "--lengths")])
+def test_runs_as_a_module(tmp_path, module, option):
+    result = _run([sys.executable, "-m", f"critic_adapters.bench.{module}", "--help"], cwd=tmp_path,
                   PYTHONPATH=os.path.dirname(HERE))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert option in result.stdout
 
 
 def test_bazel_binary_runs():

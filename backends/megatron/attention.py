@@ -86,11 +86,23 @@ class PackedCoreAttention(MegatronModule):
             if n == 1:
                 context = self._sdpa(q, k, v, is_causal=True)
             else:  # this rank's queries sit at its chunks' positions of the sequence
-                mine = cp.chunk_positions(span, n, group_rank(self.cp_group)).to(device)
-                keep = mine[:, None] >= torch.arange(span, device=device)[None]
-                context = self._sdpa(q, k, v, attn_mask=keep)
+                context = self._chunks(q, k, v, span)
             out[q_index] = context.transpose(1, 2).flatten(0, 1)
         return out.flatten(1)
+
+    def _chunks(self, q, k, v, span: int) -> torch.Tensor:
+        """CP, packed: q (S, h, span / N, d) of this rank's two chunks, k/v (S, g, span, d) whole."""
+        rank = group_rank(self.cp_group)
+        dropout = self.dropout if self.training else 0.0
+        if not dropout:
+            if self.groups != self.heads:  # the flash kernel takes as many KV heads as query heads
+                k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
+            context = cp.chunk_attention(q, k, v, self.cp_size, rank, self.scale)
+            if context is not None:
+                return context
+        mine = cp.chunk_positions(span, self.cp_size, rank).to(q.device)
+        keep = mine[:, None] >= torch.arange(span, device=q.device)[None]
+        return self._sdpa(q, k, v, attn_mask=keep)
 
     def _padded(self, query, key, value, attention_mask) -> torch.Tensor:
         """(s, b, n, d) -> (s, b, n * d); mask (b, 1, s, s) True = masked out ((b, 1, s / N, s) under CP)."""

@@ -60,3 +60,66 @@ def pad_sequences(bounds: list[int], cp_size: int, multiple: int) -> list[int]:
     if total > padded[-1]:
         padded.append(total)
     return padded
+
+
+# -- attention of this rank's chunks without a dense mask ------------------------------------------
+def _flash_cpu(q, k, v, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_cpu_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Queries of one chunk, at positions [p, p + C) of their sequence, against the keys [0, p + C):
+    the prefix [0, p) is wholly visible, the diagonal block [p, p + C) causally. Two flash-attention
+    calls (no mask, so no (C, p + C) mask is ever built: at 16k tokens that mask alone outweighed
+    the memory the split saves) joined by their log-sum-exps; the backward runs each block's flash
+    backward against the joined output and log-sum-exp, which gives the gradient of the whole."""
+
+    @staticmethod
+    def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag, scale):
+        out_d, lse_d = _flash_cpu(q, k_diag, v_diag, True, scale)
+        if k_prefix.shape[2] == 0:
+            out, lse = out_d, lse_d
+        else:
+            out_p, lse_p = _flash_cpu(q, k_prefix, v_prefix, False, scale)
+            lse = torch.logaddexp(lse_p, lse_d)
+            out = (out_p.float() * torch.exp(lse_p - lse)[..., None]
+                   + out_d.float() * torch.exp(lse_d - lse)[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_prefix, v_prefix, k_diag, v_diag, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk_d, dv_d = _flash_cpu_backward(grad, q, k_diag, v_diag, out, lse, True, ctx.scale)
+        dk_p = dv_p = None
+        if k_prefix.shape[2]:
+            dq_p, dk_p, dv_p = _flash_cpu_backward(grad, q, k_prefix, v_prefix, out, lse, False, ctx.scale)
+            dq = dq + dq_p
+        else:
+            dk_p, dv_p = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)
+        return dq, dk_p, dv_p, dk_d, dv_d, None
+
+
+def chunk_attention(q, k, v, cp_size: int, cp_rank: int, scale: float) -> torch.Tensor | None:
+    """This rank's queries (S, h, span / N, d) — its chunks r and 2N-1-r of each of S sequences —
+    against every key of them (S, h, span, d), causally by position: (S, h, span / N, d). None when
+    the flash kernel is not there for these tensors (not on CPU): the caller masks instead."""
+    if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return None
+    span = k.shape[2]
+    chunk = span // (2 * cp_size)
+    outs = []
+    for i, c in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        start = c * chunk
+        q_c = q[:, :, i * chunk:(i + 1) * chunk]
+        pieces = [t[:, :, lo:hi] for t in (k, v) for lo, hi in ((0, start), (start, start + chunk))]
+        k_p, k_d, v_p, v_d = pieces
+        outs.append(_PrefixCausalAttention.apply(q_c, k_p, v_p, k_d, v_d, scale))
+    return torch.cat(outs, dim=2)
