@@ -87,8 +87,9 @@ class _PrefixCausalAttention(torch.autograd.Function):
         else:
             out_p, lse_p = _flash_cpu(q, k_prefix, v_prefix, False, scale)
             lse = torch.logaddexp(lse_p, lse_d)
-            out = (out_p.float() * torch.exp(lse_p - lse)[..., None]
-                   + out_d.float() * torch.exp(lse_d - lse)[..., None]).to(q.dtype)
+            wide = torch.promote_types(q.dtype, torch.float32)  # join bf16 outputs in fp32, fp64 in fp64
+            out = (out_p.to(wide) * torch.exp(lse_p - lse)[..., None].to(wide)
+                   + out_d.to(wide) * torch.exp(lse_d - lse)[..., None].to(wide)).to(q.dtype)
         ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, out, lse)
         ctx.scale = scale
         return out

@@ -3,12 +3,13 @@ span and never an N x N mask over the row; padded rows follow the boolean mask."
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 
-from critic_adapters.backends.megatron import attention
+from critic_adapters.backends.megatron import attention, context_parallel
 from critic_adapters.backends.megatron.attention import PackedCoreAttention
 from critic_adapters.common.tests.helpers import run_pytest
 
@@ -67,6 +68,27 @@ def test_padded_rows_follow_the_mask():
         expected = eager_causal(q[:n, row], k[:n, row], v[:n, row])
         torch.testing.assert_close(out[:n, row], expected, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_a_cp_ranks_chunks_attend_like_the_masked_whole_with_their_gradients(cp_size):
+    """context_parallel.chunk_attention (two flash calls per chunk joined by log-sum-exp, a custom
+    backward) equals sdpa under the causal mask of the chunks' global positions: values and the
+    gradients of q, k and v, in float64, on every rank's layout."""
+    span = 2 * cp_size * 5
+    for rank in range(cp_size):
+        g = torch.Generator().manual_seed(rank)
+        q = torch.randn(2, HEADS, span // cp_size, D, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, HEADS, span, D, dtype=torch.float64, generator=g, requires_grad=True) for _ in "kv")
+        mine = context_parallel.chunk_positions(span, cp_size, rank)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mine[:, None] >= torch.arange(span)[None])
+        grad = torch.randn(expected.shape, dtype=torch.float64, generator=g)
+        want = torch.autograd.grad(expected, (q, k, v), grad)
+        actual = context_parallel.chunk_attention(q, k, v, cp_size, rank, scale=D ** -0.5)
+        got = torch.autograd.grad(actual, (q, k, v), grad)
+        assert torch.allclose(actual, expected, rtol=0, atol=1e-12)
+        for name, a, b in zip("qkv", got, want):
+            assert torch.allclose(a, b, rtol=0, atol=1e-10), f"d{name} of rank {rank} differs by {float((a - b).abs().max())}"
 
 
 if __name__ == "__main__":
