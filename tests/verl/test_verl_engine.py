@@ -57,8 +57,9 @@ def critic_dir(tmp_path_factory):
 
 
 # (backend, processes): verl's own engine runs data parallel on the same processes.
-PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp", 2), ("megatron-tp2", 2), ("fsdp-sp2", 2)]
-PEERS = ("-tp2", "-sp2")  # model-parallel peers: verl collects outputs from the first rank of each
+PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp", 2), ("megatron-tp2", 2), ("fsdp-sp2", 2),
+               ("megatron-cp2", 2)]
+PEERS = ("-tp2", "-sp2", "-cp2")  # model-parallel peers: verl collects outputs from the first rank of each
 
 
 def run_parity(backend: str, processes: int, critic_dir: str, tmp_path) -> list[dict]:

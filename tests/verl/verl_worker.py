@@ -80,14 +80,10 @@ ENGINE_FIELDS = dict(model_dtype="fp32", mixed_precision={"param_dtype": "fp32",
                      micro_batch_size_per_gpu=MICRO, infer_micro_batch_size_per_gpu=MICRO, seed=0)
 
 
-def tensor_degree(backend: str) -> int:
-    """'megatron-tp2': megatron at tensor-parallel degree 2."""
-    return int(backend.partition("-tp")[2] or 1)
-
-
-def ulysses_degree(backend: str) -> int:
-    """'fsdp-sp2': fsdp at Ulysses degree 2, set through verl's own ulysses_sequence_parallel_size."""
-    return int(backend.partition("-sp")[2] or 1)
+def degree(backend: str, key: str) -> int:
+    """'megatron-tp2': megatron at tensor degree 2 ('tp'); 'megatron-cp2': context degree 2 ('cp');
+    'fsdp-sp2': Ulysses degree 2 ('sp', set through verl's own ulysses_sequence_parallel_size)."""
+    return int(backend.partition(f"-{key}")[2] or 1)
 
 
 def make_worker(model_dir: str, backend: str) -> TrainingWorker:
@@ -97,7 +93,8 @@ def make_worker(model_dir: str, backend: str) -> TrainingWorker:
         engine = FSDPEngineConfig(strategy="fsdp2", **ENGINE_FIELDS)
     else:
         engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend.partition("-")[0], critic_adapters={
-            "parallel": {"tensor": tensor_degree(backend)}}, ulysses_sequence_parallel_size=ulysses_degree(backend),
+            "parallel": {"tensor": degree(backend, "tp"), "context": degree(backend, "cp")}},
+            ulysses_sequence_parallel_size=degree(backend, "sp"),
             **ENGINE_FIELDS)
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
                           enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
@@ -224,7 +221,8 @@ def parity(model_dir: str, backend: str) -> dict:
     our compute_values on them, values before and after one train_mini_batch, its metrics."""
     out = {}
     for name in (backend, "verl-fsdp2"):
-        dp = WORLD // (tensor_degree(name) * ulysses_degree(name)) if name != "verl-fsdp2" else WORLD
+        split = degree(name, "tp") * degree(name, "cp") * degree(name, "sp")
+        dp = WORLD // split if name != "verl-fsdp2" else WORLD
         tensors, returns = padded_batch(data_parallel=dp)
         reference = our_values(model_dir, tensors)  # also the update's old values, on every rank
         worker = make_worker(model_dir, name)
