@@ -13,6 +13,28 @@ import os
 LOCK_FILE = "run.lock"
 
 
+def _in_use(run_dir: str, path: str, holder: str) -> ValueError:
+    return ValueError(f"{run_dir} is in use by another run (pid {holder or 'unknown'}, lock {path}); wait for it to "
+                      f"finish or stop it, or choose another trainer.run_dir")
+
+
+def check_not_in_use(run_dir: str) -> None:
+    """The ValueError run_dir_lock would raise, without taking the lock or writing anything: a run
+    in progress is reported as such before any other check reads what it has written so far."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(run_dir, path, os.pread(fd, 64, 0).decode(errors="replace").strip()) from None
+    finally:
+        os.close(fd)  # releases the probe's shared lock
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: str):
     """Hold the run_dir's lock inside the block; a ValueError naming the holder if another run has it."""
@@ -23,9 +45,7 @@ def run_dir_lock(run_dir: str):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise ValueError(f"{run_dir} is in use by another run (pid {holder}, lock {path}); wait for it to "
-                             f"finish or stop it, or choose another trainer.run_dir") from None
+            raise _in_use(run_dir, path, os.pread(fd, 64, 0).decode(errors="replace").strip()) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield path

@@ -26,7 +26,7 @@ from .engine import RolloutBatch, shift_to_tokens
 from .registry import build_engine, check_engine_config, check_layout
 from .loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
-from .run_lock import run_dir_lock
+from .run_lock import check_not_in_use, run_dir_lock
 
 PREPARED = "prepared_rollouts.pt"
 
@@ -200,7 +200,10 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
     check_backend(config)
     check_layout(config.backend, config.engine, world_size)
 
-    # Read-only checks first: a refused run changes nothing in run_dir.
+    # Read-only checks first: a refused run changes nothing in run_dir. A run in progress there is
+    # named first: what it has written so far (checkpoints) would otherwise be reported instead.
+    if main:
+        check_not_in_use(run_dir)
     latest = checkpoints.find_latest(ckpt_root)
     if trainer.resume and latest is None:
         raise ValueError(f"--resume: no complete checkpoint in {ckpt_root}; run without --resume to start fresh")

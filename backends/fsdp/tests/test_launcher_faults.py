@@ -57,8 +57,10 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path)
                               "data.num_rollouts=512", "trainer.progress=false", "trainer.epochs=20"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        # Once the first run has a checkpoint: the second is told the run_dir is in use, not that it
+        # holds checkpoints (that check used to come first, and a slow start saw it).
         for line in first.stdout:
-            if line.startswith("rollouts:"):
+            if line.startswith("checkpoint saved: "):
                 break
         second = run_launcher(f"trainer.run_dir={tmp_path}", *FAST)
         refused(second, f"{tmp_path} is in use by another run (pid {first.pid}", "choose another trainer.run_dir")
