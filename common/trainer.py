@@ -164,15 +164,11 @@ def check_model_values(predictions: torch.Tensor, response_mask: torch.Tensor, c
 def _sequence_split_note(engine) -> str:
     """', each sequence split over N ranks (ulysses N)' when the engine splits sequences, else ''."""
     mesh = getattr(engine, "parallel", None)
-    sizes = getattr(mesh, "sizes", None) or {}
-    split = {name: sizes.get(dim, 1) for name, dim in (("context", "cp"), ("ulysses", "sp"))}
-    split = {name: degree for name, degree in split.items() if degree > 1}
-    if not split:
+    if mesh is None or mesh.sequence_split == 1:
         return ""
-    total = 1
-    for degree in split.values():
-        total *= degree
-    return f", each sequence split over {total} ranks ({', '.join(f'{n} {d}' for n, d in split.items())})"
+    degrees = ", ".join(f"{name} {mesh.sizes[dim]}" for name, dim in (("context", "cp"), ("ulysses", "sp"))
+                        if mesh.sizes[dim] > 1)
+    return f", each sequence split over {mesh.sequence_split} ranks ({degrees})"
 
 
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:

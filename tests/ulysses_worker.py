@@ -12,6 +12,7 @@ this rank's columns only, and attention across the packed sequences' boundaries.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import warnings
 
@@ -21,6 +22,7 @@ from critic_adapters.common import ulysses
 from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
+from critic_adapters.common.packed_attention import segment_bounds
 from critic_adapters.common.tests.helpers import save_rollout_batch
 
 # Packed: one micro-batch of 43 tokens, split at 22, so the third sequence straddles the ranks;
@@ -60,16 +62,14 @@ def naive_split(kind: str):
     all-to-all), 'across' lets the packed sequences attend to each other (one span per row)."""
     real_all_to_all, real_split = ulysses.all_to_all, ulysses.split_micro_batch
 
-    def local_split(mb, group):
+    def local_split(mb, group):  # each rank's own columns, cut at their own position restarts
         split = real_split(mb, group)
-        n = split.input_ids.shape[1]
-        spans = [ulysses.packed_attention.segment_bounds(row) for row in split.position_ids]
-        return ulysses.dataclasses.replace(split, spans=spans) if split.spans is not None and n else split
+        return dataclasses.replace(split, spans=[segment_bounds(row) for row in split.position_ids])
 
-    def whole_row(mb, group):
+    def whole_row(mb, group):  # one span over the whole packed row
         split = real_split(mb, group)
         full = split.input_ids.shape[1] * split.size
-        return ulysses.dataclasses.replace(split, spans=[[(0, full)] for _ in split.spans])
+        return dataclasses.replace(split, spans=[[(0, full)] for _ in split.spans])
 
     if kind == "local":
         ulysses.all_to_all = lambda x, group, **kw: x
