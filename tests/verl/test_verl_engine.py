@@ -50,6 +50,33 @@ def test_importing_verl_registers_the_engine():
     assert result.stdout.strip().splitlines()[-1] == "CriticAdaptersEngine"
 
 
+# What a fresh interpreter must not have after importing one of our entry points (or verl, which
+# loads our plugin): a backend's library, verl's engines, a new transformers attention function, output.
+IMPORT_PROBE = """
+import sys
+from transformers import AttentionInterface
+before = set(AttentionInterface._global_mapping)
+import {module}
+loaded = [m for m in ("veomni", "megatron.core", "verl.workers.engine") if m in sys.modules]
+added = sorted(set(AttentionInterface._global_mapping) - before)
+sys.stderr.write(repr((loaded, added)))
+"""
+
+
+@pytest.mark.parametrize("module,in_overlay", [
+    ("verl", True), ("critic_adapters.integrations.verl", True), ("critic_adapters.integrations.ray", True),
+    ("critic_adapters.common.engine", True), ("critic_adapters.integrations.ray", False),
+    ("critic_adapters.common.engine", False), ("critic_adapters.common.registry", False)])
+def test_importing_an_entry_point_imports_no_backend_and_prints_nothing(module, in_overlay):
+    env = {k: v for k, v in (overlay_env() if in_overlay else worker_env()).items()
+           if k not in ("VERL_USE_EXTERNAL_PLUGINS", "PYTHONWARNINGS")}
+    result = subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(module=module)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "", result.stdout[-3000:]
+    assert result.stderr == repr(([], [])), result.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def critic_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl")

@@ -1,0 +1,70 @@
+"""Registration with verl without importing verl's engines: what importing our verl package does.
+
+verl's engine registry lives in `verl.workers.engine`, whose `__init__` imports every engine verl
+ships (VeOmni's and megatron-core's among them, with their banners, warnings and transformers
+patches, ~10 s). A stack that merely has us installed must not pay that in every verl process, so
+importing critic_adapters.integrations.verl (or verl loading it as a plugin) only adds a finder to
+`sys.meta_path`. When the process itself imports `verl.workers.engine` (verl's TrainingWorker
+does), the finder
+
+  - first puts verl on our CPU platform when there is no accelerator (cpu_platform.py; verl's
+    engine modules read the device name as they are imported, so this must come before), then
+  - lets verl's package run unchanged, and right after it registers CriticAdaptersEngine.
+
+When `verl.workers.engine` is imported already, registration happens at once.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+ENGINE_PACKAGE = "verl.workers.engine"
+
+
+def _register_now() -> None:
+    from .engine import register
+
+    register()
+
+
+class _LoaderThenRegister(importlib.abc.Loader):
+    """verl's own loader of verl.workers.engine, followed by our registration."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _register_now()
+
+
+class _RegisterWhenVerlEnginesLoad(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != ENGINE_PACKAGE:
+            return None
+        sys.meta_path.remove(self)  # once: the other finders below find verl's own spec
+        from .cpu_platform import install_if_no_accelerator
+
+        install_if_no_accelerator()
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                spec.loader = _LoaderThenRegister(spec.loader)
+                return spec
+        return None
+
+
+def register_when_verl_engines_load() -> None:
+    """Register CriticAdaptersEngine with verl's EngineRegistry once verl imports its engines (now,
+    if it has); idempotent."""
+    if ENGINE_PACKAGE in sys.modules:
+        from .cpu_platform import install_if_no_accelerator
+
+        install_if_no_accelerator()
+        _register_now()
+    elif not any(isinstance(finder, _RegisterWhenVerlEnginesLoad) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenVerlEnginesLoad())
