@@ -324,13 +324,11 @@ def flat_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfig:
-    """Layered config -> TrainConfig: the dataclass defaults, then each YAML file in order (a later
-    file wins, key by key), then `key=value` overrides. Bad keys and values are one-line ValueErrors
-    naming the key, where it came from and what it takes."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+# A config layer: a YAML file's path, or (where it comes from, key=value settings).
+Layer = str | tuple[str, tuple[str, ...]]
 
+
+def _check_override_keys(overrides, source: str) -> None:
     keys = flat_keys(TrainConfig)
     bad = [o for o in overrides if "=" not in o]
     if bad:
@@ -340,11 +338,49 @@ def load_train_config(yaml_paths: list[str], overrides: list[str]) -> TrainConfi
         if key not in keys and not any(k.startswith(key + ".") for k in keys):
             close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
             hint = f"; did you mean {' or '.join(close)}?" if close else f"; keys are: {', '.join(keys)}"
-            raise ValueError(f"unknown config key {key!r}{hint}")
-    merged = OmegaConf.structured(TrainConfig)
-    sources = [(path, lambda path=path: _load_yaml(path)) for path in yaml_paths]
+            where = "" if source == "the command line" else f" in {source}"
+            raise ValueError(f"unknown config key {key!r}{where}{hint}")
+
+
+def declared_backend(layers: list[Layer], overrides: list[str]) -> str | None:
+    """The `backend` the last layer or override that names one says (None: none does)."""
+    found = None
+    for layer in layers:
+        if isinstance(layer, str):
+            found = _load_yaml(layer).get("backend", found)
+        else:
+            found = _dotlist_backend(layer[1], found)
+    return _dotlist_backend(overrides, found)
+
+
+def _dotlist_backend(settings, found):
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        if key.lstrip("+") == "backend":
+            found = value
+    return found
+
+
+def load_train_config(layers: list[Layer], overrides: list[str]) -> TrainConfig:
+    """Layered config -> TrainConfig: the dataclass defaults, then each layer in order (a YAML file,
+    or a named list of key=value settings; a later layer wins, key by key), then `key=value`
+    overrides. Bad keys and values are one-line ValueErrors naming the key, where it came from and
+    what it takes."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    keys = flat_keys(TrainConfig)
+    _check_override_keys(overrides, "the command line")
+    sources = []
+    for layer in layers:
+        if isinstance(layer, str):
+            sources.append((layer, lambda path=layer: _load_yaml(path)))
+        else:
+            _check_override_keys(layer[1], layer[0])
+            sources.append((layer[0], lambda settings=layer[1]: OmegaConf.from_dotlist(list(settings))))
     if overrides:
         sources.append(("the command line", lambda: OmegaConf.from_dotlist(overrides)))
+    merged = OmegaConf.structured(TrainConfig)
     for source, read in sources:
         try:
             merged = OmegaConf.merge(merged, read())

@@ -1,14 +1,17 @@
-"""The launcher every backend's train.py shares: arguments, YAML + overrides, checks, torchrun, faults.
+"""The one training launcher: arguments, YAML + overrides, checks, torchrun, faults.
 
-  python -m <package>.backends.<name>.train [CONFIG.yaml ...] [key=value ...] [--nproc N] [--resume]
-                                            [--dry-run] [--print-config]
-A backend's train.py is a LauncherSpec (its backend and module name) and a call to launch(); what
-the backend implements and its default config come from its BackendSpec (common/registry.py).
-Without --nproc it starts as many processes as engine.parallel needs. Flags may come anywhere among
-the items. Without torchrun, --nproc N > 1
-relaunches the same module under torchrun, by the name it runs under (so a vendored copy relaunches
-itself, not ours). Config, backend and run_dir are checked before any process group exists; a
-failure on any rank ends every rank with one line; Ctrl-C is one line and exit code 130.
+  python -m <package>.train --backend NAME [CONFIG.yaml ...] [key=value ...] [--nproc N] [--resume]
+                                          [--dry-run] [--print-config]
+`python -m <package>.backends.<name>.train` is the same launcher with the backend fixed (a one-line
+alias: LauncherSpec(backend=...)); `python -m <package>.integrations.ray.train` is the same launcher
+with the engine's ranks in a Ray worker group instead of torchrun processes (LauncherSpec's
+add_arguments and run). The backend comes from --backend, else the config's `backend`, else the
+alias's; its default job is common/default_job.yaml under its BackendSpec's job_defaults
+(common/registry.py), which also says what it implements. Without --nproc it starts as many
+processes as engine.parallel needs. Flags may come anywhere among the items. Without torchrun,
+--nproc N > 1 relaunches the same module under torchrun, by the name it runs under (so a vendored
+copy relaunches itself, not ours). Config, backend and run_dir are checked before any process group
+exists; a failure on any rank ends every rank with one line; Ctrl-C is one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -21,32 +24,33 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C
+DEFAULT_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_job.yaml")
 
 LAYERS_HELP = """\
-How the config is built (later wins, key by key): the built-in defaults (common/config.py), this
-backend's configs/default.yaml, your YAML files in order, then key=value overrides. --resume with
-no YAML file starts from the run's own run_dir/config.yaml instead. --print-config shows the result."""
+How the config is built (later wins, key by key): the built-in defaults (common/config.py), the
+embedded default job (common/default_job.yaml), the backend's own default settings (its BackendSpec's
+job_defaults in common/registry.py), your YAML files in order, then key=value overrides. --resume
+with no YAML file starts from the run's own run_dir/config.yaml instead. --print-config shows the
+result."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class LauncherSpec:
-    backend: str
-    """The registered backend this launcher trains with (common/registry.py: its BackendSpec holds
-    the default config and what the backend implements)."""
     module: str
     """The launcher's own module name, as it runs (`__spec__.name`): what torchrun relaunches."""
     doc: str
     """The launcher's help text (its module docstring)."""
-
-    @property
-    def default_config(self) -> str:
-        from .registry import backend_spec
-
-        path = backend_spec(self.backend).default_config_path
-        assert path is not None, f"backend {self.backend} has a launcher but no default_config in its BackendSpec"
-        return path
+    backend: str | None = None
+    """The registered backend an alias trains with; None: --backend or the config's `backend`
+    (default fsdp) choose it."""
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    """Flags of its own (the Ray launcher's cluster and placement flags)."""
+    run: Callable[[argparse.Namespace, object], int] | None = None
+    """run(args, config) -> exit code, in this process, instead of torchrun processes running the
+    trainer (the Ray launcher: the trainer drives a Ray worker group)."""
 
 
 def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
@@ -55,11 +59,17 @@ def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=f"{rest.strip()}\n\n{LAYERS_HELP}")
     parser.add_argument("items", nargs="*", help="YAML config files and key=value overrides")
+    parser.add_argument("--backend", default=None,
+                        help="the registered backend to train with (default: the config's, else "
+                             f"{spec.backend or 'fsdp'})")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="processes to launch when not under torchrun (default: what engine.parallel needs)")
+                        help="processes (engine ranks) to start when not under torchrun (default: what "
+                             "engine.parallel needs)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     parser.add_argument("--dry-run", action="store_true", help="check config, model and rollouts; do not train")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    if spec.add_arguments is not None:
+        spec.add_arguments(parser)
     # Intermixed: flags may come after overrides (`cfg.yaml lr=1 --resume x=2`).
     return parser.parse_intermixed_args(argv)
 
@@ -101,39 +111,66 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
     return INTERRUPTED if interrupted else code
 
 
+def _user_layers(args) -> tuple[list[str], list[str], str | None]:
+    """(the user's YAML files, overrides, the run's saved config.yaml when --resume has no YAML)."""
+    from .config import load_train_config
+
+    yamls = [item for item in args.items if "=" not in item]
+    overrides = [item for item in args.items if "=" in item]
+    if args.resume:
+        overrides.append("trainer.resume=true")
+    saved = None
+    if args.resume and not yamls:
+        run_dir = load_train_config([DEFAULT_JOB], overrides).trainer.run_dir
+        saved = os.path.join(os.path.abspath(run_dir), "config.yaml")
+        saved = saved if os.path.isfile(saved) else None
+    return yamls, overrides, saved
+
+
+def _choose_backend(args, spec: LauncherSpec, yamls: list[str], overrides: list[str], saved: str | None) -> str:
+    """--backend, else the config's `backend`, else the alias's, else fsdp; an alias refuses another."""
+    from .config import declared_backend
+    from .registry import backend_spec
+
+    declared = declared_backend([saved] if saved else yamls, overrides)
+    backend = args.backend or declared or spec.backend or "fsdp"
+    backend_spec(backend)  # registered at all: ValueError naming the registered ones
+    if args.backend and declared and declared != args.backend:
+        raise ValueError(f"--backend {args.backend}, but the config says backend={declared}: drop one of them")
+    if spec.backend is not None and backend != spec.backend:
+        raise ValueError(f"backend={backend} in the config, but this is the {spec.backend} launcher; run "
+                         f"python -m {spec.module.replace(f'.{spec.backend}.', f'.{backend}.')} (or the one "
+                         f"launcher with --backend {backend}) instead, or drop backend from the config")
+    return backend
+
+
 def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print):
     """The config, checked as far as it can be without a process group; raises ValueError.
 
-    Layers, later wins key by key: the dataclass defaults, this backend's default config, the
-    user's YAML files in order, then key=value overrides. `--resume` with no YAML file starts from
-    the run's own config.yaml (run_dir/config.yaml, what ran) instead of the backend's default.
-    `world_size`: the processes the job will have (None: what engine.parallel needs).
+    Layers, later wins key by key: the dataclass defaults, the embedded default job, the backend's
+    job_defaults, the user's YAML files in order, then key=value overrides. `--resume` with no YAML
+    file starts from the run's own config.yaml (run_dir/config.yaml, what ran) instead of the
+    defaults. `world_size`: the processes the job will have (None: what engine.parallel needs).
     """
     from .atomic_dir import unwritable_reason
     from .config import load_train_config
     from .registry import backend_spec, check_layout
     from .trainer import check_backend
 
-    yamls = [item for item in args.items if "=" not in item]
-    overrides = [item for item in args.items if "=" in item]
-    if args.resume:
-        overrides.append("trainer.resume=true")
     try:
-        config = load_train_config([spec.default_config, *yamls], overrides)
-        saved = os.path.join(os.path.abspath(config.trainer.run_dir), "config.yaml")
-        if args.resume and not yamls and os.path.isfile(saved):
+        yamls, overrides, saved = _user_layers(args)
+        backend = _choose_backend(args, spec, yamls, overrides, saved)
+        if saved:
             config = load_train_config([saved], overrides)
             if not args.print_config:
                 say(f"resume: the run's settings from {saved}, with the command line's overrides")
+        else:
+            defaults = (f"the {backend} backend's job_defaults", (f"backend={backend}", *backend_spec(backend).job_defaults))
+            config = load_train_config([DEFAULT_JOB, defaults, *yamls], overrides)
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
     if args.print_config:
         return config
-    backend_spec(config.backend)  # registered at all: ValueError naming the registered ones
-    if config.backend != spec.backend:
-        raise ValueError(f"backend={config.backend} in the config, but this is the {spec.backend} launcher; run "
-                         f"python -m {spec.module.replace(f'.{spec.backend}.', f'.{config.backend}.')} instead, "
-                         f"or drop backend from the config")
     check_backend(config)
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: the process count must be >= 1")
@@ -151,13 +188,13 @@ def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print)
     return config
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     # Flushed at once: the workers torchrun starts write to the same stdout, and a line still in
     # this process's buffer would come out after all of theirs.
     print(message, flush=True)
 
 
-def _say_error(message: str) -> None:
+def say_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -174,10 +211,10 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
     # one line, once.
     try:
         config = _load_config(args, spec, world_size=world_size,
-                              say=_say if rank0 and not under_torchrun else (lambda *a, **k: None))
+                              say=say if rank0 and not under_torchrun else (lambda *a, **k: None))
     except (ValueError, OSError) as err:
         if rank0:
-            _say_error(str(err))
+            say_error(str(err))
         return 2
     if args.print_config:
         from .config import to_yaml
@@ -186,6 +223,8 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
         return 0
     if under_torchrun:
         return _run(args, config)
+    if spec.run is not None and not args.dry_run:
+        return spec.run(args, config)
     nproc = args.nproc
     if nproc is None:  # as many processes as the parallel layout needs: one data-parallel rank
         nproc = config.engine.parallel.model_parallel_size
@@ -203,6 +242,7 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
     return _run(args, config)
 
 
+
 def _run(args, config) -> int:
     from .distributed import init_distributed, shutdown
     from .lifeline import LAUNCHER_PID_ENV, exit_when_gone
@@ -217,13 +257,13 @@ def _run(args, config) -> int:
             dry_run(config, dist)
         else:
             run_training(config, dist)
-    except BaseException as err:  # noqa: BLE001 - every failure ends this rank; see _fail
-        return _fail(err, dist)
+    except BaseException as err:  # noqa: BLE001 - every failure ends this rank; see fail
+        return fail(err, dist)
     shutdown()
     return 0
 
 
-def _fail(err: BaseException, dist) -> int:
+def fail(err: BaseException, dist) -> int:
     """Report a failure and end this rank at once.
 
     With several ranks, the others may be waiting in a collective for this one, so it never enters
@@ -245,11 +285,11 @@ def _fail(err: BaseException, dist) -> int:
     elif isinstance(err, (ValueError, OSError)):
         if rank != 0:
             time.sleep(3.0)
-        _say_error(f"{where if rank != 0 else ''}{err}")
+        say_error(f"{where if rank != 0 else ''}{err}")
         code = 2
     else:
         traceback.print_exception(err, file=sys.stderr)
-        _say_error(f"{where}{type(err).__name__}: {err}")
+        say_error(f"{where}{type(err).__name__}: {err}")
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,8 +1,8 @@
 """The backend registry: one BackendSpec per backend says how to build its engine and what it can do.
 
 Everything that asks "which backends are there, and what does this one support" reads the specs:
-the launcher (checks, default process count), the trainer, error hints, the benchmark's backend
-list and the conformance suite (tests/conformance). A host stack adds its own backend with
+the launcher (the checks, the backend's default job settings), the trainer, error hints, the
+long-context benchmark's backend list and the conformance suite (tests/conformance). A host stack adds its own backend with
 `register_backend(name, spec)` without editing this package.
 
 Importing this module imports no backend: factories are "module:callable" strings, imported only
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 from collections.abc import Callable
 
 from .config import EngineConfig, ModelConfig, ParallelConfig
 
 # The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
 PACKAGE_ROOT = __package__.rpartition(".")[0]
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Model-parallel dimensions a backend may implement (engine.parallel.<name>).
 PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses")
@@ -47,9 +45,11 @@ class BackendSpec:
     knobs: frozenset[str] = frozenset()
     """The OPTIONAL_KNOBS it honours."""
     launcher: str | None = None
-    """Its launcher module ("python -m <package><launcher>"), or None when it has none."""
-    default_config: str | None = None
-    """Its default job's YAML, relative to the package root (or absolute)."""
+    """Its launcher alias module ("python -m <package><launcher>", the one launcher with the
+    backend fixed; common/launcher.py), or None when it has none."""
+    job_defaults: tuple[str, ...] = ()
+    """key=value settings layered on the embedded default job (common/default_job.yaml) for this
+    backend, below the user's YAML files and overrides."""
     check_layout: str | Callable | None = None
     """"module:callable" (as factory) or the callable: check_layout(model_config, engine_config,
     world_size) raises a ValueError for a parallel layout the model or the process count cannot
@@ -61,12 +61,6 @@ class BackendSpec:
         if unknown:
             raise ValueError(f"BackendSpec names {unknown}; parallel_dims come from {PARALLEL_DIMS}, knobs from "
                              f"{tuple(OPTIONAL_KNOBS)}")
-
-    @property
-    def default_config_path(self) -> str | None:
-        if self.default_config is None:
-            return None
-        return self.default_config if os.path.isabs(self.default_config) else os.path.join(_REPO_ROOT, self.default_config)
 
     @property
     def launcher_module(self) -> str | None:
@@ -82,7 +76,6 @@ BACKENDS: dict[str, BackendSpec] = {
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.fsdp.train",
-        default_config="backends/fsdp/configs/default.yaml",
         check_layout=".common.ulysses:check_layout",
     ),
     "megatron": BackendSpec(
@@ -90,7 +83,8 @@ BACKENDS: dict[str, BackendSpec] = {
         parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "lora.rank"}),
         launcher=".backends.megatron.train",
-        default_config="backends/megatron/configs/default.yaml",
+        # The two processes of the default job split every layer (a data-parallel degree of 1).
+        job_defaults=("engine.parallel.tensor=2", "trainer.run_dir=outputs/megatron-default"),
         check_layout=".backends.megatron.config:check_layout",
     ),
     "veomni": BackendSpec(
@@ -99,7 +93,7 @@ BACKENDS: dict[str, BackendSpec] = {
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",
-        default_config="backends/veomni/configs/default.yaml",
+        job_defaults=("trainer.run_dir=outputs/veomni-default",),
         check_layout=".common.ulysses:check_layout",
     ),
 }

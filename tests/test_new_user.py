@@ -63,7 +63,7 @@ def test_1_the_megatron_launcher_takes_a_yaml_without_backend(tmp_path):
             "backend=fsdp in the config, but this is the megatron launcher")
 
 
-# 2. Layers: dataclass defaults < the backend's default.yaml < the user's YAML files < overrides.
+# 2. Layers: dataclass defaults < the default job < the backend's job_defaults < the user's YAML files < overrides.
 def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
     config = printed_config(run_launcher(MEGATRON, lr_only_yaml(tmp_path), "--print-config"))
     engine = config["engine"]
@@ -77,7 +77,7 @@ def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
     assert config["engine"]["optim"]["lr"] == 3e-4 and config["engine"]["optim"]["warmup_steps"] == 5
     assert config["engine"]["optim"]["lr_schedule"] == "cosine"
     help_text = run_launcher(MEGATRON, "--help").stdout
-    assert "later wins, key by key" in help_text and "configs/default.yaml" in help_text
+    assert "later wins, key by key" in help_text and "common/default_job.yaml" in help_text
 
 
 # 3. The dry run and the launcher check the process count, the layout and the heads first.

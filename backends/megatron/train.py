@@ -7,9 +7,10 @@
   python -m critic_adapters.backends.megatron.train cfg.yaml --resume  # continue from the latest checkpoint
   python -m critic_adapters.backends.megatron.train cfg.yaml --dry-run # validate config + data, no training
 
-Without --nproc it starts the processes engine.parallel needs (tensor x pipeline x context); data
-parallel is the world size divided by tensor x pipeline x context. Keys: common/config.py or
---print-config; the launcher is common/launcher.py, shared by every backend.
+The one launcher (python -m critic_adapters.train, common/launcher.py) with backend megatron: the same
+flags, keys and defaults. Without torchrun, --nproc N > 1 relaunches itself under torchrun (gloo on
+CPU, nccl on GPU); without --nproc it starts the processes engine.parallel needs. Keys:
+common/config.py (every field has a docstring) or --print-config.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from ...common.launcher import LauncherSpec, launch
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = LauncherSpec(backend="megatron", module=__spec__.name, doc=__doc__)
-    return launch(spec, argv)
+    return launch(LauncherSpec(module=__spec__.name, doc=__doc__, backend="megatron"), argv)
 
 
 if __name__ == "__main__":
