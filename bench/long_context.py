@@ -42,8 +42,17 @@ if __package__ in (None, ""):  # run as a file: use this checkout's package (as 
 
 import torch  # noqa: E402
 
-BACKENDS = ("fsdp", "veomni", "megatron")
-SPLIT_KEY = {"fsdp": "ulysses", "veomni": "ulysses", "megatron": "context"}
+SPLIT_DIMS = ("ulysses", "context")  # the ways a backend splits one sequence (engine.parallel.<dim>)
+
+
+def split_keys() -> dict[str, str]:
+    """Every registered backend that splits sequences -> its split dimension, from the specs."""
+    from critic_adapters.common.registry import BACKENDS
+
+    return {name: next(dim for dim in SPLIT_DIMS if dim in spec.parallel_dims)
+            for name, spec in BACKENDS.items() if set(SPLIT_DIMS) & spec.parallel_dims}
+
+
 MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=1000, max_position_embeddings=32768)
 WARMUP_TOKENS = 512
@@ -104,7 +113,7 @@ def worker(backend: str, model_dir: str, length: int, degree: int, out_file: str
     config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-4, grad_clip=1.0),
                           loss=LossConfig(clip_range=None), gradient_checkpointing=True,
                           batching=BatchingConfig(micro_batch_tokens=max(length, WARMUP_TOKENS)),
-                          parallel=ParallelConfig(**{SPLIT_KEY[backend]: degree}))
+                          parallel=ParallelConfig(**{split_keys()[backend]: degree}))
     engine = build_engine(backend, config, dist)
     engine.update(_batch(WARMUP_TOKENS, seed=1))  # first-call costs (kernels, collectives) out of the timing
     batch = _batch(length, seed=2)
@@ -143,7 +152,8 @@ def run_one(backend: str, model_dir: str, length: int, degree: int, workdir: str
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    split_key = split_keys()
+    parser.add_argument("--backends", nargs="+", default=list(split_key), choices=list(split_key))
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -159,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 pair = [run_one(backend, model_dir, length, degree, workdir) for degree in (1, 2)]
                 one, two = pair
                 for row in pair:
-                    print(f"{backend:9s} {length:6d} tokens, {SPLIT_KEY[backend]} {row['degree']}: "
+                    print(f"{backend:9s} {length:6d} tokens, {split_key[backend]} {row['degree']}: "
                           f"peak +{row['peak_added_mib_per_rank']:8.1f} MiB per rank, "
                           f"{row['tokens_per_second']:8.1f} tokens/s, loss {row['value_loss']:.6f}", flush=True)
                 rows.append({"backend": backend, "length": length, "unsplit": one, "split": two,

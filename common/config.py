@@ -227,7 +227,8 @@ class EngineConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
     cpu_offload: bool = False
-    """Keep sharded parameters and optimizer state in CPU memory (GPU runs; ignored, with a warning, on CPU)."""
+    """Keep sharded parameters and optimizer state in CPU memory (GPU runs; ignored, with a warning, on CPU,
+    and by veomni with one rank, where it does not shard)."""
     transforms: list[str] = dataclasses.field(default_factory=list)
     """Model transforms applied between loading the critic and parallelising it, in order
     (common/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""

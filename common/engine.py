@@ -98,7 +98,7 @@ class CriticEngine(Protocol):
         RolloutBatch.old_values holds) is entry t - 1: shift_to_tokens(values) does that shift.
 
         input_ids: int64 [B, T]; attention_mask: [B, T] of 0/1 (right- or left-padded; padding
-        positions come back as whatever the model computes there, so mask them)."""
+        positions come back as 0.0)."""
         ...
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -123,7 +123,8 @@ class CriticEngine(Protocol):
         ...
 
     def export_hf(self, directory: str) -> None:
-        """Write the critic as a plain HF *ForTokenClassification(num_labels=1) directory (new, or
+        """Write the critic as a plain HF *ForTokenClassification directory (num_labels=1; an HL-Gauss
+        critic: num_labels=num_bins and its support in config.critic_value_head) (new, or
         replaced atomically), loadable with AutoModelForTokenClassification."""
         ...
 

@@ -1,5 +1,5 @@
 """Model transforms: the step between loading a critic and parallelising it (torchtitan's
-ModelConverter), where a list of named transforms rewrites the critic (LoRA is the next one).
+ModelConverter), where a list of named transforms rewrites the critic (freezing; LoRA, lora.py).
 
 A transform rewrites an HF-named critic module in place: it may add or replace modules and freeze
 parameters. Every rank applies it to its own copy (rank 0 to the loaded critic, the others to the

@@ -3,8 +3,10 @@ sharded with fully_shard over the mesh's data-parallel ranks and trained with th
 mini-batch-normalised clipped value loss on packed, token-budget micro-batches.
 
 Built through common.registry.build_engine("fsdp", config, dist, mesh=None); the engine API and
-everything but building is common.fsdp2_core.FSDP2Engine's (the contract: common/engine.py). The
-backend implements no model parallelism: every rank of the mesh is a data-parallel rank.
+everything but building is common.fsdp2_core.FSDP2Engine's (the contract: common/engine.py). Its
+one model-parallel dimension is Ulysses (engine.parallel.ulysses = N, common/ulysses.py): each
+sequence split over N ranks, and FSDP shards over data parallel x Ulysses; without it every rank of
+the mesh is a data-parallel rank.
 """
 
 from __future__ import annotations

@@ -68,6 +68,12 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool, wei
     rank, VeOmni's own FSDP-off path, or compat's on CPU."""
     from veomni.distributed.torch_parallelize import build_parallelize_model
 
+    offload = config.cpu_offload
+    if offload and (compat.cpu_mode() or not fsdp):
+        why = ("this run is on CPU already (it offloads GPU shards)" if compat.cpu_mode() else
+               "VeOmni offloads FSDP2 shards, which it uses with 2 or more ranks")
+        warnings.warn(f"engine.cpu_offload is ignored: {why}", stacklevel=3)
+        offload = False
     if not fsdp:
         if config.mixed_precision != "none":
             warnings.warn(f"engine.mixed_precision={config.mixed_precision} is ignored with one data-parallel rank: "
@@ -88,7 +94,7 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool, wei
         enable_gradient_checkpointing=config.gradient_checkpointing,
         enable_reentrant=False,
         basic_modules=list(model._no_split_modules or []),
-        enable_fsdp_offload=config.cpu_offload,
+        enable_fsdp_offload=offload,
     )
 
 
