@@ -207,3 +207,47 @@ def check_meta(directory: str, fingerprint: dict) -> dict:
         raise ValueError(f"checkpoint {directory} belongs to another model: (checkpoint, this model) differ in {diff}; "
                          f"use the engine.model the checkpoint was trained with, or another run_dir")
     return meta
+
+
+# -- the disk-full policy: check the space first, and name the disk when a save runs out of it ------
+def _mount_point(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _disk_full_message(root: str, directory: str, needed: int, free: int) -> str:
+    latest = find_latest(root)
+    last_good = f"the last good checkpoint is {latest}" if latest else "there is no good checkpoint yet"
+    return (f"not enough disk space to save {os.path.basename(directory)}: it needs about {needed / 2**20:.1f} MiB, "
+            f"the disk at {_mount_point(root)} has {free / 2**20:.1f} MiB free; {last_good}. Free some space (or "
+            f"lower trainer.keep_last), then resume with --resume")
+
+
+def _caused_by_full_disk(err: BaseException | None) -> bool:
+    import errno
+
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def save_with_space_check(engine, root: str, directory: str, extra_state: dict, *, main: bool) -> None:
+    """engine.save_checkpoint(directory, extra_state) (collective), refused on every rank alike when
+    the disk of `root` (the main rank's view) has less free space than the save needs; a save that
+    fails on a full disk is a ValueError naming the disk, the sizes and the last good checkpoint."""
+    # A write that runs out of space half-way fails with messages that never mention the disk.
+    needed = engine.checkpoint_bytes()
+    free = broadcast_object(shutil.disk_usage(root).free if main else None)
+    if needed > free:
+        raise ValueError(_disk_full_message(root, directory, needed, free))
+    try:
+        engine.save_checkpoint(directory, extra_state)
+    except Exception as err:
+        free = shutil.disk_usage(root).free
+        if free < needed or _caused_by_full_disk(err):
+            raise ValueError(_disk_full_message(root, directory, needed, free)) from err
+        raise

@@ -235,6 +235,24 @@ def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = Non
     return to_rollouts(records)
 
 
+def split_held_out(rollouts: Rollouts, data, *, seed: int) -> tuple[Rollouts, Rollouts]:
+    """(train, held out): a seeded random data.eval_fraction of the rollouts (at least one) held out
+    for evaluation; data is the DataConfig. ValueError when either share would be empty."""
+    order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed))
+    count = int(round(len(rollouts) * data.eval_fraction))
+    if data.eval_fraction > 0 and count == 0:
+        count = 1
+    train, held_out = rollouts.select(order[count:]), rollouts.select(order[:count])
+    if len(held_out) == 0:
+        raise ValueError("data.eval_fraction=0 and no data.eval_path: the held-out evaluation needs rollouts; "
+                         "set data.eval_fraction > 0 or give data.eval_path")
+    if len(train) == 0:
+        raise ValueError(f"{data.train_path} holds {len(rollouts)} rollout(s): holding out "
+                         f"data.eval_fraction={data.eval_fraction} of them (at least one) for evaluation leaves "
+                         f"none to train on; give more rollouts, or the held-out ones as data.eval_path")
+    return train, held_out
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam_critic: float,
         lam_policy: float | None = None, length_adaptive_alpha: float | None = None
         ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,13 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   checkpoint_bytes() -> int      the bytes a save writes (all ranks), for the free-space check
   export_hf(dir)                 a plain *ForTokenClassification (common.valuehead.save_critic)
   load_report                    common.valuehead.LoadReport of the checkpoint the critic came from
+  forward_backward / step_optimizer / zero_grad, scheduler
+                                 the step in pieces, for a host's own loop and loss (verl's slot)
+  export_adapter(dir)            a LoRA critic's peft adapter directory
+  data_parallel_ranks, parameter_counts()   what the console reports
   close()                        release it; before the process group is destroyed
+The CriticEngine Protocol below holds the whole surface with its docstrings; the conformance suite
+(tests/conformance) checks every registered backend against it.
 Building an engine has no process-wide side effects: no global seeding, warning filters or
 environment changes.
 
@@ -84,13 +90,20 @@ class CriticEngine(Protocol):
     """
 
     parallel: object
-    """common.mesh.ParallelMesh: the degree, coordinate and group of every parallel dimension."""
+    """common.mesh.ParallelMesh: the degree, coordinate and group of every parallel dimension
+    (a Ray group, which drives its workers' engines from one process, has none)."""
     dp_rank: int
     dp_size: int
     dp_group: object
     """This rank's data-parallel coordinate, degree and group: give DP rank r the rows r::dp_size."""
+    data_parallel_ranks: int
+    """How many ranks take distinct rows: dp_size, except for a Ray group, which presents itself as
+    one rank holding every row (dp_size 1) over its engines' data-parallel degree."""
     load_report: object
     """common.valuehead.LoadReport: the checkpoint's format, and which head keys were loaded or initialised."""
+    scheduler: object
+    """The LR schedule (a torch LRScheduler-like object with step() and get_last_lr()); update()
+    steps it, a host driving forward_backward / step_optimizer steps it itself (verl's slot)."""
 
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The critic's values, no grad: float32 [B, T] on CPU, at every position and UNSHIFTED:
@@ -106,6 +119,28 @@ class CriticEngine(Protocol):
         required, all [B, T]; old_values and returns token-aligned). The loss is normalised over
         the whole mini-batch across DP ranks. Returns common.update_step.METRICS (docs/METRICS.md),
         reduced over the DP group."""
+        ...
+
+    # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward (and backward) over these rows as a single packed micro-batch; the caller
+        sizes them. `loss_fn(values)` gets the float32 [B, T] values (unshifted, on the device, with
+        gradients) and returns a scalar loss that is backpropagated as it is: the engine averages
+        gradients over the data-parallel ranks, so a loss normalised over the global batch carries a
+        factor dp_size (a sequence-splitting degree's factor is the engine's own). Gradients
+        accumulate until step_optimizer. loss_fn None: values only, no graph. Every data-parallel
+        rank calls it the same number of times. Returns (values detached, on every rank of the DP
+        rank's model-parallel group; the loss detached, or None)."""
+        ...
+
+    def step_optimizer(self) -> float:
+        """Clip (engine.optim.grad_clip) and step on the gradients forward_backward accumulated, then
+        zero them; returns the global gradient norm before clipping. The LR schedule is not stepped."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop the gradients forward_backward accumulated (step_optimizer does so after stepping)."""
         ...
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
@@ -128,9 +163,26 @@ class CriticEngine(Protocol):
         replaced atomically), loadable with AutoModelForTokenClassification."""
         ...
 
+    def export_adapter(self, directory: str) -> None:
+        """Write a LoRA critic's adapter and trained head as a peft adapter directory
+        (peft.PeftModel.from_pretrained loads it onto the base critic); ValueError when
+        engine.lora.rank is 0."""
+        ...
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the whole critic (full shapes, not this rank's shards)."""
+        ...
+
     def close(self) -> None:
         """Release the engine's groups and memory; before common.distributed.shutdown()."""
         ...
+
+
+def contract_members() -> list[str]:
+    """Every attribute and method of the CriticEngine contract, sorted (what the conformance suite
+    asks each engine for)."""
+    methods = [name for name, value in vars(CriticEngine).items() if callable(value) and not name.startswith("_")]
+    return sorted(set(CriticEngine.__annotations__) | set(methods))
 
 
 # The registry of backends (their specs, build_engine, register_backend) is common/registry.py;

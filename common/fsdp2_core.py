@@ -330,6 +330,11 @@ class FSDP2Engine(abc.ABC):
             write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
         barrier(self.shard_group)
 
+    @property
+    def data_parallel_ranks(self) -> int:
+        """The data-parallel degree (dp_size): how many ranks take distinct rows."""
+        return self.dp_size
+
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the whole critic (full shapes, not this rank's shards)."""
         params = list(self.model.parameters())

@@ -14,14 +14,14 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 
 import torch
 
 from . import checkpoints
 from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
-from .data import Rollouts, gae_returns, load_rollouts, make_default_records, to_rollouts, validate_records
-from .distributed import DistContext, all_gather_object, barrier, broadcast_object
+from .data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
+                   validate_records)
+from .distributed import DistContext, all_gather_object, barrier
 from .engine import RolloutBatch, shift_to_tokens
 from .registry import build_engine, check_engine_config, check_layout
 from .loss import explained_variance
@@ -96,18 +96,7 @@ def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | Non
     if data.eval_path is not None:
         train, held_out = rollouts, load_rollouts(data.eval_path, vocab_size, notes=notes, **limits)
     else:
-        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(config.engine.seed))
-        count = int(round(len(rollouts) * data.eval_fraction))
-        if data.eval_fraction > 0 and count == 0:
-            count = 1
-        train, held_out = rollouts.select(order[count:]), rollouts.select(order[:count])
-        if len(held_out) == 0:
-            raise ValueError("data.eval_fraction=0 and no data.eval_path: the held-out evaluation needs rollouts; "
-                             "set data.eval_fraction > 0 or give data.eval_path")
-        if len(train) == 0:
-            raise ValueError(f"{data.train_path} holds {len(rollouts)} rollout(s): holding out "
-                             f"data.eval_fraction={data.eval_fraction} of them (at least one) for evaluation leaves "
-                             f"none to train on; give more rollouts, or the held-out ones as data.eval_path")
+        train, held_out = split_held_out(rollouts, data, seed=config.engine.seed)
     for note in notes:
         say(note)
     return train, held_out
@@ -161,14 +150,14 @@ def check_model_values(predictions: torch.Tensor, response_mask: torch.Tensor, c
                          f"{__package__}.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
 
 
-def _sequence_split_note(engine) -> str:
-    """', each sequence split over N ranks (ulysses N)' when the engine splits sequences, else ''."""
-    mesh = getattr(engine, "parallel", None)
-    if mesh is None or mesh.sequence_split == 1:
+def _sequence_split_note(parallel) -> str:
+    """', each sequence split over N ranks (ulysses N)' when the layout splits sequences, else ''."""
+    degrees = {name: getattr(parallel, name) for name in ("context", "ulysses")}
+    split = degrees["context"] * degrees["ulysses"]
+    if split == 1:
         return ""
-    degrees = ", ".join(f"{name} {mesh.sizes[dim]}" for name, dim in (("context", "cp"), ("ulysses", "sp"))
-                        if mesh.sizes[dim] > 1)
-    return f", each sequence split over {mesh.sequence_split} ranks ({degrees})"
+    named = ", ".join(f"{name} {degree}" for name, degree in degrees.items() if degree > 1)
+    return f", each sequence split over {split} ranks ({named})"
 
 
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
@@ -282,15 +271,13 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     mini = config.data.mini_batch_size
     total_steps = steps_per_epoch * trainer.epochs
     say(str(engine.load_report))
-    if hasattr(engine, "parameter_counts"):
-        trainable, total = engine.parameter_counts()
-        say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    trainable, total = engine.parameter_counts()
+    say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
     say(f"run dir: {run_dir} (metrics.jsonl{', tensorboard/' if trainer.tensorboard else ''}, checkpoints/"
         f"{', hf_export/' if trainer.export_hf else ''}{', training.png' if trainer.plot else ''})")
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
         f"{trainer.epochs} epochs, mini-batch {mini} sequences over "
-        f"{getattr(engine, 'data_parallel_ranks', engine.dp_size)} data-parallel rank(s)"
-        f"{_sequence_split_note(engine)}")
+        f"{engine.data_parallel_ranks} data-parallel rank(s){_sequence_split_note(config.engine.parallel)}")
 
     position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if resuming:
@@ -396,51 +383,14 @@ def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
     return f"held-out rollout 0, first response tokens: values {values} vs returns {returns}"
 
 
-def _mount_point(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.ismount(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def _disk_full_message(root: str, directory: str, needed: int, free: int) -> str:
-    latest = checkpoints.find_latest(root)
-    last_good = f"the last good checkpoint is {latest}" if latest else "there is no good checkpoint yet"
-    return (f"not enough disk space to save {os.path.basename(directory)}: it needs about {needed / 2**20:.1f} MiB, "
-            f"the disk at {_mount_point(root)} has {free / 2**20:.1f} MiB free; {last_good}. Free some space (or "
-            f"lower trainer.keep_last), then resume with --resume")
-
-
 def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say) -> None:
     directory = checkpoints.step_dir(root, step)
-    # Check the space first (rank 0's view, on every rank, so all refuse together): a write that runs
-    # out of space half-way fails with messages that never mention the disk.
-    needed = engine.checkpoint_bytes()
-    free = broadcast_object(shutil.disk_usage(root).free if main else None)
-    if needed > free:
-        raise ValueError(_disk_full_message(root, directory, needed, free))
-    try:
-        engine.save_checkpoint(directory, position)
-    except Exception as err:
-        free = shutil.disk_usage(root).free
-        if free < needed or _caused_by_full_disk(err):
-            raise ValueError(_disk_full_message(root, directory, needed, free)) from err
-        raise
+    checkpoints.save_with_space_check(engine, root, directory, position, main=main)
     if main:
         checkpoints.mark_latest(root, directory)
         checkpoints.prune(root, keep_last=keep_last)
     barrier()
     say(f"checkpoint saved: {directory}")
-
-
-def _caused_by_full_disk(err: BaseException | None) -> bool:
-    import errno
-
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def _as_dict(rollouts: Rollouts) -> dict:

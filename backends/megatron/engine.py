@@ -343,6 +343,11 @@ class MegatronCriticEngine:
             write_adapter(directory, state, lora, head_name(self.hf_config), base_path=self.config.model.path)
         barrier()
 
+    @property
+    def data_parallel_ranks(self) -> int:
+        """The data-parallel degree (dp_size): how many ranks take distinct rows."""
+        return self.dp_size
+
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the HF critic (layout-independent: no vocab padding)."""
         return self._counts

@@ -53,7 +53,7 @@ class CriticWorker:
         info = {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size}
         if self.rank == 0:
             info["load_report"] = self.engine.load_report
-            info["counts"] = self.engine.parameter_counts() if hasattr(self.engine, "parameter_counts") else None
+            info["counts"] = self.engine.parameter_counts()
         return info
 
     def _rows(self, count: int) -> torch.Tensor:

@@ -46,6 +46,19 @@ def test_every_rank_knows_its_data_parallel_coordinates_from_the_mesh(run):
         assert rank["all_dp_ranks"] == [0, 1]
 
 
+def test_every_engine_has_the_whole_contract_and_its_pieces_work(run):
+    _, _, ranks = run
+    for rank in ranks:
+        assert rank["missing_members"] == [], rank["missing_members"]
+        pieces = rank["pieces"]
+        assert pieces["values_diff"] <= 1e-5 and pieces["loss_without_fn"] is None, pieces
+        assert pieces["loss"] > 0 and pieces["grad_norm"] > 0 and pieces["moved"] > 1e-6, pieces
+        trainable, total = pieces["counts"]
+        assert 0 < trainable == total, pieces["counts"]
+        assert pieces["data_parallel_ranks"] == rank["coords"]["dp_size"] == 2
+        assert pieces["adapter"] is not None and "engine.lora.rank=0" in pieces["adapter"], pieces["adapter"]
+
+
 def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_old_checkpoint(run):
     _, work, ranks = run
     assert [r["failing_save"]["raised"] for r in ranks] == ["OSError", "RuntimeError"]

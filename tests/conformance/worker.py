@@ -24,7 +24,7 @@ import torch.distributed as torch_dist
 
 from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
 from critic_adapters.common.distributed import all_gather_object, barrier, gloo_worker_threads, init_distributed, shutdown
-from critic_adapters.common.engine import RolloutBatch
+from critic_adapters.common.engine import RolloutBatch, contract_members
 from critic_adapters.common.registry import build_engine
 
 # Process-wide things an engine might patch: (module name, attribute). Compared by identity.
@@ -119,6 +119,35 @@ def failing_save(engine, directory: str) -> dict:
         torch.save = real_save
 
 
+def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
+    """The contract's other methods: forward_backward (values equal compute_values; with a loss, a
+    step_optimizer after zero_grad and a second call moves the critic), parameter counts, the
+    adapter export a critic without LoRA refuses."""
+    before = engine.compute_values(batch.input_ids, batch.attention_mask)
+    values, loss = engine.forward_backward(batch.input_ids, batch.attention_mask)
+    mask = batch.attention_mask.bool()
+    out = {"values_diff": float((values.cpu() - before)[mask].abs().max()), "loss_without_fn": loss}
+
+    def loss_fn(v):
+        return (v.float() ** 2).sum() / mask.sum()
+
+    engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
+    engine.zero_grad()
+    _, loss = engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
+    out["loss"] = float(loss)
+    out["grad_norm"] = engine.step_optimizer()
+    engine.scheduler.step()
+    out["moved"] = float((engine.compute_values(batch.input_ids, batch.attention_mask) - before)[mask].abs().max())
+    out["counts"] = list(engine.parameter_counts())
+    out["data_parallel_ranks"] = engine.data_parallel_ranks
+    try:
+        engine.export_adapter(os.path.join(workdir, f"adapter{torch_dist.get_rank()}"))
+        out["adapter"] = None
+    except ValueError as err:
+        out["adapter"] = str(err)
+    return out
+
+
 def main() -> None:
     backend, model_dir, workdir = sys.argv[1:4]
     dist = init_distributed()
@@ -133,6 +162,8 @@ def main() -> None:
                      "parallel_dp_rank": engine.parallel.dp_rank, "parallel_dp_size": engine.parallel.dp_size,
                      "dp_group_size": torch_dist.get_world_size(engine.dp_group)}
     out["all_dp_ranks"] = sorted(all_gather_object(engine.dp_rank))
+    out["missing_members"] = [name for name in contract_members() if not hasattr(engine, name)]
+    out["pieces"] = step_in_pieces(engine, rollout(dist.rank), workdir)
 
     good = os.path.join(workdir, "ckpt")
     engine.update(rollout(dist.rank + 4))  # megatron's optimizer has no state to load before its first step
