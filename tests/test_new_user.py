@@ -1,6 +1,7 @@
 """What a new user trips over (issue 14), one test per item, through the real commands where there
-is one: each runs in a subprocess as a user would, and asserts the exit code, the message and
-what is left on disk."""
+is one, asserting the exit code, the message and what is left on disk. Runs that train go through a
+subprocess as a user would; launches that end before training (refusals, dry runs, --print-config,
+--help) run the launcher's main in this process (`launch`), the same exit code and output."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import run_launcher, worker_env
+from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_in_process as launch, worker_env
 
 FSDP, MEGATRON, VEOMNI = (f"critic_adapters.backends.{name}.train" for name in ("fsdp", "megatron", "veomni"))
 VALUEHEAD = "critic_adapters.common.valuehead"
@@ -51,32 +52,32 @@ def lr_only_yaml(tmp_path):
 
 # 1. A backend's launcher defaults `backend` to itself.
 def test_1_the_megatron_launcher_takes_a_yaml_without_backend(tmp_path):
-    config = printed_config(run_launcher(MEGATRON, "--nproc", "2", lr_only_yaml(tmp_path), "engine.parallel.tensor=2",
+    config = printed_config(launch(MEGATRON, "--nproc", "2", lr_only_yaml(tmp_path), "engine.parallel.tensor=2",
                                          "--print-config"))
     assert config["backend"] == "megatron"
-    ok = run_launcher(MEGATRON, "--nproc", "2", lr_only_yaml(tmp_path), "engine.parallel.tensor=2", "--dry-run",
+    ok = launch(MEGATRON, "--nproc", "2", lr_only_yaml(tmp_path), "engine.parallel.tensor=2", "--dry-run",
                       f"trainer.run_dir={tmp_path / 'run'}")
     assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr[-3000:]
     # Written by the user, a mismatch is still refused.
     (tmp_path / "fsdp.yaml").write_text("backend: fsdp\n")
-    refused(run_launcher(MEGATRON, str(tmp_path / "fsdp.yaml"), "--dry-run"),
+    refused(launch(MEGATRON, str(tmp_path / "fsdp.yaml"), "--dry-run"),
             "backend=fsdp in the config, but this is the megatron launcher")
 
 
 # 2. Layers: dataclass defaults < the default job < the backend's job_defaults < the user's YAML files < overrides.
 def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
-    config = printed_config(run_launcher(MEGATRON, lr_only_yaml(tmp_path), "--print-config"))
+    config = printed_config(launch(MEGATRON, lr_only_yaml(tmp_path), "--print-config"))
     engine = config["engine"]
     assert engine["optim"]["lr"] == 1e-4                                   # the user's file
     assert engine["optim"]["lr_schedule"] == "cosine" and engine["optim"]["warmup_steps"] == 10  # the default job's
     assert engine["batching"]["micro_batch_tokens"] == 2048 and engine["parallel"]["tensor"] == 2
     assert config["trainer"]["run_dir"] == "outputs/megatron-default"
     (tmp_path / "second.yaml").write_text("engine:\n  optim:\n    lr: 3.0e-4\n    warmup_steps: 2\n")
-    config = printed_config(run_launcher(MEGATRON, lr_only_yaml(tmp_path), str(tmp_path / "second.yaml"),
+    config = printed_config(launch(MEGATRON, lr_only_yaml(tmp_path), str(tmp_path / "second.yaml"),
                                          "engine.optim.warmup_steps=5", "--print-config"))
     assert config["engine"]["optim"]["lr"] == 3e-4 and config["engine"]["optim"]["warmup_steps"] == 5
     assert config["engine"]["optim"]["lr_schedule"] == "cosine"
-    help_text = run_launcher(MEGATRON, "--help").stdout
+    help_text = launch(MEGATRON, "--help").stdout
     assert "later wins, key by key" in help_text and "common/default_job.yaml" in help_text
 
 
@@ -84,19 +85,19 @@ def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
 def test_3_layout_errors_before_any_process_starts_and_leave_nothing(tmp_path):
     run_dir = tmp_path / "run"
     heads = "engine.parallel.tensor=3 must divide the attention heads (4)"
-    refused(run_launcher(MEGATRON, "--nproc", "3", "engine.parallel.tensor=3", "--dry-run",
+    refused(launch(MEGATRON, "--nproc", "3", "engine.parallel.tensor=3", "--dry-run",
                          f"trainer.run_dir={run_dir}"), heads)
-    refused(run_launcher(MEGATRON, "--nproc", "3", "engine.parallel.tensor=3", f"trainer.run_dir={run_dir}"), heads)
-    refused(run_launcher(MEGATRON, "engine.parallel.tensor=3", f"trainer.run_dir={run_dir}"), heads)
-    refused(run_launcher(MEGATRON, "--nproc", "2", "engine.parallel.tensor=3", "--dry-run",
+    refused(launch(MEGATRON, "--nproc", "3", "engine.parallel.tensor=3", f"trainer.run_dir={run_dir}"), heads)
+    refused(launch(MEGATRON, "engine.parallel.tensor=3", f"trainer.run_dir={run_dir}"), heads)
+    refused(launch(MEGATRON, "--nproc", "2", "engine.parallel.tensor=3", "--dry-run",
                          f"trainer.run_dir={run_dir}"), "2 processes cannot be split into groups of")
-    refused(run_launcher(MEGATRON, "--nproc", "3", "--dry-run", f"trainer.run_dir={run_dir}"),
+    refused(launch(MEGATRON, "--nproc", "3", "--dry-run", f"trainer.run_dir={run_dir}"),
             "3 processes cannot be split into groups of engine.parallel tensor x pipeline x context x ulysses = 2")
     for count in ("0", "-1"):
-        refused(run_launcher(FSDP, "--nproc", count, f"trainer.run_dir={run_dir}"), f"--nproc {count}: the process "
+        refused(launch(FSDP, "--nproc", count, f"trainer.run_dir={run_dir}"), f"--nproc {count}: the process "
                 "count must be >= 1")
     assert not run_dir.exists()
-    ok = run_launcher(MEGATRON, "--nproc", "4", "--dry-run", f"trainer.run_dir={run_dir}")
+    ok = launch(MEGATRON, "--nproc", "4", "--dry-run", f"trainer.run_dir={run_dir}")
     assert ok.returncode == 0 and "processes: 4 (tensor 2 x data parallel 2)" in ok.stdout, ok.stderr[-3000:]
 
 
@@ -104,10 +105,10 @@ def test_3_layout_errors_before_any_process_starts_and_leave_nothing(tmp_path):
 def test_4_bad_value_types_are_one_line_naming_key_file_and_type(tmp_path):
     path = tmp_path / "my.yaml"
     path.write_text("engine:\n  optim:\n    lr: fast\n")
-    result = run_launcher(FSDP, str(path), "--dry-run")
+    result = launch(FSDP, str(path), "--dry-run")
     refused(result, f"engine.optim.lr='fast' in {path}: expected float")
     assert len(error_lines(result)) == 1, result.stderr
-    result = run_launcher(FSDP, "engine.parallel.sequence_parallel=maybe", "--dry-run")
+    result = launch(FSDP, "engine.parallel.sequence_parallel=maybe", "--dry-run")
     refused(result, "engine.parallel.sequence_parallel='maybe' in the command line: expected true/false")
     assert len(error_lines(result)) == 1, result.stderr
 
@@ -122,7 +123,7 @@ def test_5_resume_with_only_the_run_dir(tmp_path):
     assert f"resume: the run's settings from {run_dir / 'config.yaml'}" in resumed.stdout
     assert "resume: trainer.epochs changed from 1 to 2" in resumed.stdout
     # A setting that cannot change is still refused, naming the key.
-    refused(run_launcher(FSDP, "--resume", f"trainer.run_dir={run_dir}", "engine.optim.lr=1"),
+    refused(launch(FSDP, "--resume", f"trainer.run_dir={run_dir}", "engine.optim.lr=1"),
             "engine.optim.lr: 0.002 in the run, 1.0 now")
 
 
@@ -292,12 +293,12 @@ def test_13_small_ones(tmp_path):
 
     save_tiny_causal_lm("qwen2", str(model))
     refused(cli("inspect", str(model / "config.json")), f"is a file; pass the model directory that holds it ({model})")
-    help_text = run_launcher(FSDP, "--help").stdout
+    help_text = launch(FSDP, "--help").stdout
     first = "Train a PPO critic with the FSDP2 engine"
     assert help_text.count(first) == 1, help_text
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
         assert "valuehead demo" in f.read()
-    dry = run_launcher(FSDP, "--dry-run", f"trainer.run_dir={tmp_path / 'run'}")
+    dry = launch(FSDP, "--dry-run", f"trainer.run_dir={tmp_path / 'run'}")
     assert "initialise score.weight (fresh head), score.bias (zero)" in dry.stdout and "['" not in dry.stdout
 
 

@@ -39,6 +39,28 @@ def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None
                           text=True, timeout=timeout)
 
 
+def run_launcher_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
+    """LAUNCHER's main(ARGS) in this process, for launches that end before any process starts or
+    trains (refusals, --dry-run, --print-config, --help): the exit code, stdout and stderr that
+    `python -m LAUNCHER ARGS` gives, without the seconds a new interpreter spends importing torch.
+    The environment is restored after (a run's world of one sets RANK, LOCAL_RANK, ...)."""
+    import contextlib
+    import importlib
+    import io
+    from unittest import mock
+
+    out, err = io.StringIO(), io.StringIO()
+    main = importlib.import_module(launcher).main
+    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        for key in _RENDEZVOUS:
+            os.environ.pop(key, None)
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: --help, bad flags
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return subprocess.CompletedProcess([launcher, *args], code, out.getvalue(), err.getvalue())
+
+
 def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | None = None) -> list[str]:
     """python -m LAUNCHER ARGS, its whole process group SIGKILLed once the checkpoint of `step` is
     reported; returns the lines it printed (asserting it had not finished)."""

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForTokenClassification, Qwen2Config
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
-from critic_adapters.backends.fsdp.tests.launch import run_launcher, run_torchrun
+from critic_adapters.backends.fsdp.tests.launch import launch_in_process, run_torchrun
 from critic_adapters.common.config import EngineConfig, ModelConfig, ParallelConfig
 from critic_adapters.common.distributed import init_distributed
 from critic_adapters.common.engine import RolloutBatch, build_engine
@@ -102,14 +102,14 @@ def test_parallel_degrees_fsdp_lacks_are_refused_by_key(tmp_path, key, value):
 
 def test_the_launcher_refuses_them_before_starting_any_process(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_launcher("--nproc", "2", f"trainer.run_dir={run_dir}", "engine.parallel.pipeline=2")
+    result = launch_in_process("--nproc", "2", f"trainer.run_dir={run_dir}", "engine.parallel.pipeline=2")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: the fsdp backend does not implement engine.parallel.pipeline=2 (offered by backend=megatron); "
         "it offers data parallel and engine.parallel.ulysses: unset the key, or choose a backend that offers it"], \
         result.stderr
     assert not run_dir.exists()
-    other = run_launcher(f"trainer.run_dir={run_dir}", "backend=megatron", "--dry-run")
+    other = launch_in_process(f"trainer.run_dir={run_dir}", "backend=megatron", "--dry-run")
     assert other.returncode == 2 and "this is the fsdp launcher; run python -m critic_adapters.backends.megatron.train" \
         in other.stderr, other.stderr
 

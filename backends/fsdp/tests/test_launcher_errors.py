@@ -1,10 +1,10 @@
-"""Bad input to the launcher: a clear error (exit 2), and nothing lost or half-written."""
+"""Bad input to the launcher: a clear error (exit 2), and nothing lost or half-written. Each launch\nruns in this process (common/tests/torchrun.run_launcher_in_process): every one ends before training."""
 
 import json
 
 import pytest
 
-from critic_adapters.backends.fsdp.tests.launch import run_launcher
+from critic_adapters.backends.fsdp.tests.launch import launch_in_process as run_launcher
 from critic_adapters.common.data import make_default_records
 from critic_adapters.common.tests.helpers import run_pytest
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher
+from critic_adapters.backends.fsdp.tests.launch import launch_in_process, launcher_env, run_launcher
 from critic_adapters.common.data import make_default_records
 from critic_adapters.common.metrics import read_metrics
 from critic_adapters.common.testdata import save_tiny_causal_lm
@@ -80,7 +80,7 @@ def test_a_fresh_run_starts_its_metrics_afresh(tmp_path):
 def test_yaml_syntax_error_is_one_line(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("engine:\n  optim:\n    lr: [1e-4\n  seed: 3\n")
-    result = run_launcher(str(config), f"trainer.run_dir={tmp_path / 'run'}")
+    result = launch_in_process(str(config), f"trainer.run_dir={tmp_path / 'run'}")
     refused(result, f"error: {config}:4:")
     assert len(result.stderr.strip().splitlines()) == 1 and "YAML syntax error" in result.stderr
 
@@ -103,12 +103,12 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
 
 
 def test_dry_run_with_an_unregistered_backend(tmp_path):
-    refused(run_launcher("--dry-run", "backend=deepspeed", f"trainer.run_dir={tmp_path}"),
+    refused(launch_in_process("--dry-run", "backend=deepspeed", f"trainer.run_dir={tmp_path}"),
             "backend='deepspeed' is not registered; available: fsdp, megatron, veomni")
 
 
 def test_flags_after_overrides(tmp_path):
-    result = ok(run_launcher(f"trainer.run_dir={tmp_path}", "--print-config", "engine.optim.lr=0.25"))
+    result = ok(launch_in_process(f"trainer.run_dir={tmp_path}", "--print-config", "engine.optim.lr=0.25"))
     assert "lr: 0.25" in result.stdout
 
 
@@ -125,7 +125,7 @@ def test_bad_rollouts_change_nothing_in_the_run_dir(tmp_path, edit, fragments):
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("mine")
     before = tree_snapshot(run_dir)
-    refused(run_launcher(f"data.train_path={path}", f"trainer.run_dir={run_dir}", *FAST),
+    refused(launch_in_process(f"data.train_path={path}", f"trainer.run_dir={run_dir}", *FAST),
             f"invalid rollouts in {path}", *fragments)
     assert tree_snapshot(run_dir) == before
 
@@ -136,7 +136,7 @@ def test_nan_made_by_the_model_is_blamed_on_the_model(tmp_path):
     state = load_file(weights)
     state["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")  # a matrix load_critic does not scan
     save_file(state, weights, metadata={"format": "pt"})
-    result = run_launcher(f"engine.model.path={model}", f"trainer.run_dir={tmp_path / 'run'}", *FAST)
+    result = launch_in_process(f"engine.model.path={model}", f"trainer.run_dir={tmp_path / 'run'}", *FAST)
     refused(result, "the initial critic's values are NaN/inf", f"the model ({model}) produces them, not the rollout data")
     assert "fix the rollout data" not in result.stderr
 

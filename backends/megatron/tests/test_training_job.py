@@ -2,6 +2,7 @@
 learns; a killed run resumes to bit-identical weights; a TP2 checkpoint continues at TP1."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from critic_adapters.backends.megatron.tests.launch import worker_env
 from critic_adapters.common.metrics import read_metrics
 from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
                                                    run_pytest)
-from critic_adapters.common.tests.torchrun import run_launcher_killed_after
+from critic_adapters.common.tests.torchrun import run_launcher_in_process, run_launcher_killed_after
 
 MODULE = "critic_adapters.backends.megatron.train"
 SHORT = SHORT_JOB
@@ -39,7 +40,7 @@ def test_process_counts_the_layout_cannot_use_are_refused_before_any_process_sta
     run_dir = tmp_path / "refused"
     for nproc, message in (("3", "3 processes cannot be split into groups of engine.parallel tensor x pipeline"),
                            ("0", "--nproc 0: the process count must be >= 1")):
-        result = launch("--nproc", nproc, f"trainer.run_dir={run_dir}", timeout=120)
+        result = run_launcher_in_process(MODULE, "--nproc", nproc, f"trainer.run_dir={run_dir}")
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert not run_dir.exists()
 
@@ -57,15 +58,14 @@ def test_killed_run_resumes_identically_and_at_another_tensor_degree(tmp_path):
     result = launch("--nproc", "2", f"trainer.run_dir={whole}", *SHORT)
     assert result.returncode == 0, result.stderr[-4000:]
 
-    same = tmp_path / "same-layout"
+    same, other = tmp_path / "same-layout", tmp_path / "tp1"
     _killed_after_step_8(same)
+    shutil.copytree(same, other)  # the same killed run, resumed twice
     resumed = launch("--nproc", "2", f"trainer.run_dir={same}", *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_exported_weights(whole, same)
 
     # The same checkpoint, continued by one process at TP1: the loss curve goes on where it was.
-    other = tmp_path / "tp1"
-    _killed_after_step_8(other)
     resumed = launch("--nproc", "1", f"trainer.run_dir={other}", *SHORT, "engine.parallel.tensor=1", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     expected = [r for r in read_metrics(str(whole / "metrics.jsonl")) if r["split"] == "train"]
