@@ -80,14 +80,16 @@ def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | 
 
 
 def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, env: dict | None = None,
-                                          before_resume=None) -> None:
+                                          before_resume=None, whole_args=()) -> subprocess.CompletedProcess:
     """The whole run, and the same run SIGKILLed after its step-8 checkpoint then `--resume`d, end
     with bit-identical exports and the same final explained variance (run_root/whole, /killed).
-    `before_resume(killed_dir)`: what to check on the killed run first."""
+    `before_resume(killed_dir)`: what to check on the killed run first (or copy it, to resume it
+    another way too). `whole_args`: for the whole run only (outputs that leave the weights alone,
+    such as trainer.plot=true). Returns the whole run's result, for the test to check what it learnt."""
     from .helpers import assert_same_exported_weights, final_explained_variance
 
     whole, killed = run_root / "whole", run_root / "killed"
-    result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, env=env)
+    result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, *whole_args, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     run_launcher_killed_after(launcher, 8, f"trainer.run_dir={killed}", *args, env=env)
     if before_resume is not None:
@@ -97,3 +99,16 @@ def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, e
     assert "resumed from" in resumed.stdout
     assert_same_exported_weights(whole, killed)
     assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    return result
+
+
+def assert_resumed_run_follows(run_dir, whole_dir, *, steps: int, tolerance: float = 1e-4) -> None:
+    """run_dir's train metrics (a killed run continued another way: other ranks, another layout)
+    cover steps 1..`steps` and follow whole_dir's loss curve within `tolerance`."""
+    from ..metrics import read_metrics
+
+    expected = [r for r in read_metrics(str(whole_dir / "metrics.jsonl")) if r["split"] == "train"]
+    got = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, steps + 1))
+    worst = max(abs(a["value_loss"] - b["value_loss"]) for a, b in zip(got, expected))
+    assert worst <= tolerance, f"the continued run departs from the whole run's loss curve by {worst}"

@@ -1,27 +1,25 @@
-"""The launcher end to end on 2 gloo processes: the default job learns; a killed run resumes to
-bit-identical weights; a 2-rank checkpoint resumes on 1 rank."""
+"""The launcher end to end on 2 gloo processes: the job learns; the same run killed after a
+checkpoint resumes to bit-identical weights, and on 1 rank it continues the same loss curve."""
 
 import json
-import os
+import shutil
 
-from safetensors.torch import load_file
-
-from critic_adapters.backends.fsdp.tests.launch import run_launcher
+from critic_adapters.backends.fsdp.tests.launch import LAUNCHER, run_launcher
 from critic_adapters.common.metrics import read_metrics
-from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
-                                                   run_pytest)
-from critic_adapters.common.tests.torchrun import run_launcher_killed_after
+from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
+from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, assert_resumed_run_follows
 
 SHORT = SHORT_JOB
 
 
-
-
-def test_default_job_learns_on_two_processes(tmp_path):
-    run_dir = tmp_path / "default"
-    result = run_launcher("--nproc", "2", f"trainer.run_dir={run_dir}")
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert final_explained_variance(result.stdout) >= 0.5
+def test_the_job_learns_and_a_killed_run_resumes_identically_on_two_ranks_and_on_one(tmp_path):
+    one = tmp_path / "one-rank"
+    whole = assert_killed_run_resumes_identically(
+        LAUNCHER, tmp_path, "--nproc", "2", *SHORT, whole_args=("trainer.tensorboard=true", "trainer.plot=true"),
+        before_resume=lambda killed: shutil.copytree(killed, one))
+    # It learns.
+    run_dir = tmp_path / "whole"
+    assert final_explained_variance(whole.stdout) >= 0.5
     train = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     losses = [r["value_loss"] for r in train]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"
@@ -31,41 +29,11 @@ def test_default_job_learns_on_two_processes(tmp_path):
     assert (run_dir / "training.png").stat().st_size > 10_000
     assert any((run_dir / "tensorboard").iterdir())
     assert json.load(open(run_dir / "hf_export" / "config.json"))["architectures"] == ["Qwen2ForTokenClassification"]
-
-
-def _weights(run_dir):
-    return load_file(os.path.join(run_dir, "hf_export", "model.safetensors"))
-
-
-def test_killed_run_resumes_to_identical_weights(tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    result = run_launcher("--nproc", "2", f"trainer.run_dir={whole}", *SHORT)
-    assert result.returncode == 0, result.stderr[-4000:]
-
-    # The same run, its whole process group SIGKILLed once step 8's checkpoint is reported.
-    run_launcher_killed_after("critic_adapters.backends.fsdp.train", 8, "--nproc", "2", f"trainer.run_dir={killed}",
-                              *SHORT)
-    assert not (killed / "hf_export").exists()
-
-    resumed = run_launcher("--nproc", "2", f"trainer.run_dir={killed}", *SHORT, "--resume")
+    # The 2-rank checkpoint of step 8, continued on a single process.
+    resumed = run_launcher("--nproc", "1", f"trainer.run_dir={one}", *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
-    assert_same_exported_weights(whole, killed)
-    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
-
-
-def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
-    run_dir = tmp_path / "run"
-    first = run_launcher("--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT[:-4], "trainer.epochs=1",
-                         "trainer.export_hf=false", "trainer.progress=false")
-    assert first.returncode == 0, first.stderr[-4000:]
-    # Continue the same run for a second epoch on a single process.
-    resumed = run_launcher("--nproc", "1", f"trainer.run_dir={run_dir}", *SHORT, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
-    assert final_explained_variance(resumed.stdout) >= 0.3
-    steps = [r["step"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
-    assert steps == list(range(1, 31)), steps
+    assert "resumed from" in resumed.stdout and "over 1 data-parallel rank(s)" in resumed.stdout
+    assert_resumed_run_follows(one, run_dir, steps=30)
 
 
 if __name__ == "__main__":
