@@ -22,9 +22,16 @@ VALUEHEAD = "critic_adapters.common.valuehead"
 TINY = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1"]
 
 
-def cli(*args: str, cwd=None, umask: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", VALUEHEAD, *args], env=worker_env(), capture_output=True, text=True,
-                          timeout=300, cwd=cwd, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+def cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    """python -m critic_adapters.common.valuehead ARGS: its main in this process (it starts nothing),
+    under `umask` when given."""
+    if umask is None:
+        return launch(f"{VALUEHEAD}.cli", *args)
+    old = os.umask(umask)
+    try:
+        return launch(f"{VALUEHEAD}.cli", *args)
+    finally:
+        os.umask(old)
 
 
 def refused(result, *fragments):
@@ -148,10 +155,17 @@ def test_6_a_clean_run_prints_no_warning_on_stdout(tmp_path, launcher, extra):
     assert "final explained_variance=" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """(run_dir, result) of one clean single-process fsdp run, for tests 7 and 8."""
+    run_dir = tmp_path_factory.mktemp("fsdp-clean") / "run"
+    return run_dir, clean_run(FSDP, run_dir)
+
+
 # 7. The console says where things went; a Ctrl-C after training finished says so.
-def test_7_the_console_names_every_output(tmp_path):
-    run_dir = tmp_path / "run"
-    out = clean_run(FSDP, run_dir).stdout
+def test_7_the_console_names_every_output(fsdp_run):
+    run_dir, result = fsdp_run
+    out = result.stdout
     assert f"run dir: {run_dir} (metrics.jsonl, tensorboard/, checkpoints/, hf_export/, training.png)" in out
     assert f"checkpoint saved: {run_dir / 'checkpoints' / 'step_000002'}" in out
     assert f"metrics: {run_dir / 'metrics.jsonl'}, TensorBoard logs: {run_dir / 'tensorboard'}" in out
@@ -183,7 +197,7 @@ def test_7_ctrl_c_after_training_finished_says_so(tmp_path):
 
 
 # 8. The plot compares like with like; metrics rows carry epoch and time; the README links the definitions.
-def test_8_plot_and_metrics_rows(tmp_path):
+def test_8_plot_and_metrics_rows(fsdp_run):
     from critic_adapters.common.metrics import metrics_figure
 
     records = [{"step": 0, "split": "eval", "epoch": 0, "value_loss": 2.0, "explained_variance": -3.0},
@@ -196,8 +210,7 @@ def test_8_plot_and_metrics_rows(tmp_path):
     assert ax_loss.get_ylabel() and ax_ev.get_ylabel()
     assert ax_ev.get_ylim()[0] <= -3.0  # explained variance is not clipped at -0.5
 
-    run_dir = tmp_path / "run"
-    clean_run(FSDP, run_dir)
+    run_dir, _ = fsdp_run
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert all("epoch" in row and isinstance(row["time"], float) for row in rows)
     train = [row for row in rows if row["split"] == "train"]
