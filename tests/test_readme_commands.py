@@ -17,8 +17,9 @@ import sys
 
 from critic_adapters.common.data import make_default_records
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import worker_env
+from critic_adapters.common.tests.torchrun import run_launcher_in_process, worker_env
 
+VALUEHEAD = "critic_adapters.common.valuehead"
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 TINY = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1", "trainer.save_every_steps=0"]
@@ -60,7 +61,7 @@ def readme_commands() -> list[str]:
 
 def bound(command: str) -> list[str]:
     words = [PLACEHOLDERS.get(word, word) for word in shlex.split(command)]
-    launcher = any(word.startswith("critic_adapters.backends.") for word in words)
+    launcher = any(word.startswith("critic_adapters.backends.") or word == "critic_adapters.train" for word in words)
     if launcher and "my.yaml" not in words and "--resume" not in words:
         words += TINY
     return words
@@ -90,7 +91,11 @@ def test_every_readme_command_runs_as_written(tmp_path):
     for command in commands:
         words = bound(command)
         assert words[0] == "python", f"a README command this test cannot run: {command!r}"
-        result = subprocess.run([sys.executable, *words[1:]], env=env, capture_output=True, text=True, timeout=900)
+        if words[1:3] == ["-m", VALUEHEAD] or "--dry-run" in words:  # they start and train nothing: in this process
+            module = f"{VALUEHEAD}.cli" if words[2] == VALUEHEAD else words[2]
+            result = run_launcher_in_process(module, *words[3:])
+        else:
+            result = subprocess.run([sys.executable, *words[1:]], env=env, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, (f"README command failed (rc={result.returncode}): {command}\n"
                                         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     # The commands did what the README says they do.
