@@ -7,6 +7,7 @@ registered backend is a parameter.
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -71,6 +72,9 @@ def test_nan_returns_on_one_rank_are_refused_on_every_rank(run):
     messages = [r["nan"]["raised"] for r in ranks]
     assert all(m is not None for m in messages), messages
     assert "another rank" in messages[0] and "returns has 1 non-finite" in messages[1], messages
+    assert "rollout data" in messages[1], messages
+    assert [r["nan"]["values_diff"] for r in ranks] == [0.0, 0.0]  # refused before any weight moved
+    assert all(math.isfinite(r["after_nan_loss"]) and r["after_nan_loss"] > 0 for r in ranks)
 
 
 def test_a_second_engine_resumes_the_checkpoint_exactly(run):
@@ -85,7 +89,7 @@ def test_the_export_is_a_plain_token_classification_critic_with_the_engine_value
     _, work, _ = run
     model, info = AutoModelForTokenClassification.from_pretrained(str(work / "hf_export"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert model.config.num_labels == 1 and model.config.architectures[0].endswith("ForTokenClassification")
+    assert model.config.num_labels == 1 and model.config.architectures == ["Qwen2ForTokenClassification"]
     for r in range(2):
         batch = rollout(r)
         expected = torch.load(work / f"values{r}.pt")

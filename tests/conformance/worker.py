@@ -177,13 +177,18 @@ def main() -> None:
         (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_at_save)
         .abs().max())
 
+    values_before_nan = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     try:
         engine.update(rollout(dist.rank, nan=dist.rank == 1))
         out["nan"] = {"raised": None}
     except ValueError as err:
         out["nan"] = {"raised": str(err)}
+    out["nan"]["values_diff"] = float(  # the refused step changed no weight, on any rank
+        (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_before_nan)
+        .abs().max())
 
-    metrics = engine.update(rollout(dist.rank))
+    metrics = engine.update(rollout(dist.rank))  # and the group takes the next step
+    out["after_nan_loss"] = metrics["value_loss"]
     out["metrics_keys"] = sorted(metrics)
     resumed_dir = os.path.join(workdir, "after_update")
     engine.save_checkpoint(resumed_dir)

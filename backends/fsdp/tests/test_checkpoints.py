@@ -1,4 +1,5 @@
-"""DCP checkpoints reshard between world sizes, refuse other models, and export a plain HF critic."""
+"""DCP checkpoints reshard between world sizes and refuse other models; a killed save leaves the
+previous checkpoint (the export as a plain HF critic with the engine's values: tests/conformance)."""
 
 import math
 import os
@@ -6,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForTokenClassification
 
 from critic_adapters.backends.fsdp.tests.launch import run_torchrun
 from critic_adapters.backends.fsdp.tests.test_engine_parity import make_batch
@@ -43,21 +43,6 @@ def test_checkpoint_loads_on_another_world_size(inputs, save_world, load_world):
     assert float((loaded["continued"] - loaded["loaded"]).abs()[mask].max()) > 1e-4  # the step did something
     # Warmup 2 steps, then cosine over 10: the 4th step (index 3) is 1/8 into the decay.
     assert loaded["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 8)))
-
-
-def test_hf_export_loads_in_plain_transformers_with_the_engines_values(inputs):
-    root, model_dir, data = inputs
-    work = root / "export"
-    work.mkdir()
-    run_torchrun(2, WORKER, "train-save", model_dir, str(root / "batch.pt"), str(work))
-    saved = torch.load(work / "train-save-world2.pt")
-    model, info = AutoModelForTokenClassification.from_pretrained(str(work / "hf_export"), output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert model.config.architectures == ["Qwen2ForTokenClassification"] and model.config.num_labels == 1
-    with torch.no_grad():
-        logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits.squeeze(-1)
-    mask = data["attention_mask"].bool()
-    assert float((logits - saved["saved"]).abs()[mask].max()) <= 1e-5
 
 
 def test_checkpoint_of_another_model_is_refused(inputs):
