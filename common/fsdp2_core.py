@@ -49,7 +49,7 @@ from .checkpoints import (
 from .config import EngineConfig
 from .distributed import DistContext, all_reduce, barrier
 from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
-from .mesh import ParallelMesh
+from .mesh import ULYSSES, ParallelMesh
 from .registry import check_engine_config
 from .transforms import engine_transforms, export_state_dict, trainable_parameters, transform_names
 from .update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
@@ -103,7 +103,7 @@ class FSDP2Engine(abc.ABC):
         # The ranks FSDP shards over (dp x sp): checkpoints, exports and gradient averaging use them.
         self.shard_group, self.shard_size = self.parallel.shard_group, self.parallel.shard_size
         self.is_shard_main = self.parallel.shard_rank == 0
-        self.sp_group = self.parallel.groups["sp"] if self.parallel.sizes["sp"] > 1 else None
+        self.sp_group = self.parallel.groups[ULYSSES] if self.parallel.sizes[ULYSSES] > 1 else None
         # The engine's own randomness (nothing in training draws from it today; saved in checkpoints).
         self.generator = torch.Generator().manual_seed(config.seed)
         try:

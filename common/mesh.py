@@ -3,14 +3,16 @@ process group of each dimension, built once and passed in (torchtitan's Parallel
 pg_collection) instead of "group None means everyone" and library globals.
 
 Dimensions, outermost to innermost (the tensor-parallel peers are adjacent ranks, as megatron lays
-them out): pp, dp, cp, sp (Ulysses), tp. The FSDP2-based engines build theirs with
+them out): pipeline, data, context, ulysses, tensor. The model-parallel ones are named as the
+engine.parallel fields that set their degrees (ParallelConfig); megatron's `sequence_parallel` is a
+switch of the tensor dimension, not a dimension. Use the constants below, never the strings. The FSDP2-based engines build theirs with
 `build_mesh(parallel, dist)` (a torch DeviceMesh); megatron and VeOmni wrap the groups their
 libraries create (`ParallelMesh.from_groups`). Loading, DCP, loss normalisation and metric
 reductions use `dp_group`; collectives that every rank of the engine joins use `world_group`.
 
-The sequence-splitting dimensions (cp, sp) hold the same rows as their data-parallel rank but
+The sequence-splitting dimensions (context, ulysses) hold the same rows as their data-parallel rank but
 different tokens of them, so their gradients add up: an FSDP engine shards over and averages
-gradients across `shard_group` (dp x cp x sp), while the rows, the loss normaliser and the metrics
+gradients across `shard_group` (data x context x ulysses), while the rows, the loss normaliser and the metrics
 stay per data-parallel rank.
 """
 
@@ -23,9 +25,13 @@ import torch.distributed as torch_dist
 from .config import ParallelConfig
 from .distributed import DistContext
 
-DIMS = ("pp", "dp", "cp", "sp", "tp")
-# ParallelConfig field of each model-parallel dimension.
-CONFIG_FIELDS = {"pp": "pipeline", "cp": "context", "sp": "ulysses", "tp": "tensor"}
+PIPELINE, DATA, CONTEXT, ULYSSES, TENSOR = "pipeline", "data", "context", "ulysses", "tensor"
+DIMS = (PIPELINE, DATA, CONTEXT, ULYSSES, TENSOR)
+# The model-parallel dimensions: each one's degree is the engine.parallel field of its name.
+MODEL_PARALLEL_DIMS = (PIPELINE, CONTEXT, ULYSSES, TENSOR)
+# The dimensions whose ranks hold the same rows (different tokens of them, for context and ulysses):
+# parameters are sharded over, and gradients averaged across, all three.
+SHARD_DIMS = (DATA, CONTEXT, ULYSSES)
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,19 +47,19 @@ class ParallelMesh:
     device_mesh: object = None
     """The torch DeviceMesh the groups came from, when build_mesh made them."""
     shard_group: object = None
-    """The ranks parameters are sharded over and gradients averaged across: dp x cp x sp (the
-    dp group itself when the sequence is not split)."""
+    """The ranks parameters are sharded over and gradients averaged across: data x context x
+    ulysses (the data group itself when the sequence is not split)."""
     shard_device_mesh: object = None
     """shard_group as a 1-D DeviceMesh, when the groups came from one (what FSDP2 takes)."""
 
     def __post_init__(self):
         assert set(self.sizes) == set(DIMS) and set(self.coords) == set(DIMS), (self.sizes, self.coords)
         if self.shard_group is None:
-            self.shard_group = self.groups.get("dp")
+            self.shard_group = self.groups.get(DATA)
 
     @property
     def shard_size(self) -> int:
-        return self.sizes["dp"] * self.sizes["cp"] * self.sizes["sp"]
+        return self.sizes[DATA] * self.sizes[CONTEXT] * self.sizes[ULYSSES]
 
     @property
     def shard_rank(self) -> int:
@@ -61,20 +67,28 @@ class ParallelMesh:
 
     @property
     def sequence_split(self) -> int:
-        """How many ranks share each sequence (cp x sp): 1 when every rank holds whole sequences."""
-        return self.sizes["cp"] * self.sizes["sp"]
+        """How many ranks share each sequence (context x ulysses): 1 when every rank holds whole sequences."""
+        return self.sizes[CONTEXT] * self.sizes[ULYSSES]
+
+    @property
+    def reports_outputs(self) -> bool:
+        """Whether this rank is the one of its data-parallel share whose outputs (values, metrics,
+        statistics) count: the last pipeline stage's first rank of the tensor, context and ulysses
+        groups. Its peers hold copies (or parts) of the same."""
+        return (self.coords[PIPELINE] == self.sizes[PIPELINE] - 1
+                and all(self.coords[dim] == 0 for dim in (TENSOR, CONTEXT, ULYSSES)))
 
     @property
     def dp_group(self):
-        return self.groups["dp"]
+        return self.groups[DATA]
 
     @property
     def dp_rank(self) -> int:
-        return self.coords["dp"]
+        return self.coords[DATA]
 
     @property
     def dp_size(self) -> int:
-        return self.sizes["dp"]
+        return self.sizes[DATA]
 
     @property
     def world_size(self) -> int:
@@ -82,11 +96,11 @@ class ParallelMesh:
 
     def degrees(self) -> dict[str, int]:
         """{config field: degree} of the model-parallel dimensions, e.g. {"tensor": 2, ...}."""
-        return {field: self.sizes[dim] for dim, field in CONFIG_FIELDS.items()}
+        return {dim: self.sizes[dim] for dim in MODEL_PARALLEL_DIMS}
 
     def check_matches(self, parallel: ParallelConfig, *, who: str) -> None:
         """ValueError when this mesh's model-parallel degrees are not the config's."""
-        wanted = {field: getattr(parallel, field) for field in CONFIG_FIELDS.values()}
+        wanted = {dim: getattr(parallel, dim) for dim in MODEL_PARALLEL_DIMS}
         if wanted != self.degrees():
             raise ValueError(f"{who}: the mesh passed in has degrees {self.degrees()}, engine.parallel asks for "
                              f"{wanted}; build the mesh from the same engine.parallel")
@@ -109,12 +123,12 @@ class ParallelMesh:
             if group is not None:
                 actual = torch_dist.get_world_size(group)
                 assert actual == full_sizes[dim], f"{dim} group has {actual} ranks, the mesh says {full_sizes[dim]}"
-        assert full_groups["dp"] is not None, "a mesh needs its data-parallel group"
-        split = full_sizes["cp"] * full_sizes["sp"]
-        assert split == 1 or shard_group is not None, "a mesh that splits sequences needs its shard group (dp x cp x sp)"
+        assert full_groups[DATA] is not None, "a mesh needs its data-parallel group"
+        split = full_sizes[CONTEXT] * full_sizes[ULYSSES]
+        assert split == 1 or shard_group is not None, "a mesh that splits sequences needs its shard group (data x context x ulysses)"
         if shard_group is not None:
             actual = torch_dist.get_world_size(shard_group)
-            assert actual == full_sizes["dp"] * split, f"shard group has {actual} ranks, dp x cp x sp is {full_sizes['dp'] * split}"
+            assert actual == full_sizes[DATA] * split, f"shard group has {actual} ranks, data x context x ulysses is {full_sizes[DATA] * split}"
         return cls(full_sizes, coords, full_groups, world_group if world_group is not None else torch_dist.group.WORLD,
                    device_mesh, shard_group, shard_device_mesh)
 
@@ -128,24 +142,24 @@ def _product(values) -> int:
 
 def mesh_sizes(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     """Degree of each of DIMS for `world_size` ranks; data parallel takes what the others leave."""
-    sizes = {dim: getattr(parallel, field) for dim, field in CONFIG_FIELDS.items()}
-    sizes["dp"] = parallel.data_parallel_size(world_size)  # ValueError naming --nproc when it does not divide
+    sizes = {dim: getattr(parallel, dim) for dim in MODEL_PARALLEL_DIMS}
+    sizes[DATA] = parallel.data_parallel_size(world_size)  # ValueError naming --nproc when it does not divide
     return {dim: sizes[dim] for dim in DIMS}
 
 
 def build_mesh(parallel: ParallelConfig, dist: DistContext) -> ParallelMesh:
     """The mesh of every rank of the default group (collective: every rank calls it, in the same order).
 
-    The DeviceMesh has the dimensions of degree > 1, plus "dp" always, so FSDP has a data-parallel
-    mesh to shard over even when it is one rank; with a split sequence (cp or sp > 1), FSDP shards
-    over dp x cp x sp flattened into one dimension, "shard"."""
+    The DeviceMesh has the dimensions of degree > 1, plus DATA always, so FSDP has a data-parallel
+    mesh to shard over even when it is one rank; with a split sequence (context or ulysses > 1),
+    FSDP shards over data x context x ulysses flattened into one dimension, "shard"."""
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = mesh_sizes(parallel, dist.world_size)
-    names = tuple(dim for dim in DIMS if sizes[dim] > 1 or dim == "dp")
+    names = tuple(dim for dim in DIMS if sizes[dim] > 1 or dim == DATA)
     device_mesh = init_device_mesh(dist.device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
     groups = {dim: device_mesh.get_group(dim) for dim in names}
-    split_dims = tuple(dim for dim in ("dp", "cp", "sp") if dim in names)
-    shard_mesh = device_mesh[split_dims]._flatten("shard") if len(split_dims) > 1 else device_mesh["dp"]
+    split_dims = tuple(dim for dim in SHARD_DIMS if dim in names)
+    shard_mesh = device_mesh[split_dims]._flatten("shard") if len(split_dims) > 1 else device_mesh[DATA]
     return ParallelMesh.from_groups(sizes=sizes, groups=groups, device_mesh=device_mesh,
                                     shard_group=shard_mesh.get_group(), shard_device_mesh=shard_mesh)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from critic_adapters.common import ulysses
 from critic_adapters.common.testdata import save_tiny_causal_lm, tiny_config
 from critic_adapters.common.tests.helpers import run_pytest, save_rollout_batch
-from critic_adapters.common.tests.torchrun import run_launcher, run_torchrun, worker_env
+from critic_adapters.common.tests.torchrun import run_launcher_in_process, run_torchrun, worker_env
 from critic_adapters.tests.ulysses_worker import LENGTHS, STEPS
 
 BACKENDS = ("fsdp", "veomni")
@@ -95,13 +95,13 @@ def test_heads_the_degree_cannot_split_are_refused():
 def test_the_launcher_refuses_a_degree_the_heads_cannot_take_before_starting(backend, tmp_path):
     """The default job's qwen2 has 4 attention heads: ulysses=3 is refused in one line, nothing written."""
     run_dir = tmp_path / "run"
-    result = run_launcher(f"critic_adapters.backends.{backend}.train", "--nproc", "3", "engine.parallel.ulysses=3",
+    result = run_launcher_in_process(f"critic_adapters.backends.{backend}.train", "--nproc", "3", "engine.parallel.ulysses=3",
                           f"trainer.run_dir={run_dir}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: engine.parallel.ulysses=3 must divide the model's 4 attention heads"), result.stderr[-3000:]
     assert not run_dir.exists()
-    ok = run_launcher(f"critic_adapters.backends.{backend}.train", "--nproc", "4", "engine.parallel.ulysses=2",
+    ok = run_launcher_in_process(f"critic_adapters.backends.{backend}.train", "--nproc", "4", "engine.parallel.ulysses=2",
                       "--dry-run", f"trainer.run_dir={run_dir}")
     assert ok.returncode == 0 and "processes: 4 (ulysses 2 x data parallel 2)" in ok.stdout, ok.stderr[-3000:]
 

@@ -34,7 +34,7 @@ from ...common.config import EngineConfig
 from ...common.distributed import DistContext, all_reduce, barrier
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.hl_gauss import head_values
-from ...common.mesh import ParallelMesh
+from ...common.mesh import CONTEXT, ParallelMesh
 from ...common.registry import check_engine_config
 from ...common.update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from ...common.lora import base_state, injected_names, write_adapter
@@ -132,7 +132,7 @@ class MegatronCriticEngine:
         self._accumulating = False  # forward_backward calls since the last step_optimizer
         # Sequence parallelism splits every micro-batch's sequence over the tensor ranks.
         self._multiple = tp if config.parallel.sequence_parallel else 1
-        self._cp_group = self.parallel.groups["cp"] if config.parallel.context > 1 else None
+        self._cp_group = self.parallel.groups[CONTEXT] if config.parallel.context > 1 else None
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
@@ -226,7 +226,7 @@ class MegatronCriticEngine:
 
     def _counts_share(self) -> bool:
         """The one rank of each data-parallel share whose statistics count (its peers hold copies)."""
-        return self.last_stage and self.tp_rank == 0 and self.cp_rank == 0
+        return self.parallel.reports_outputs
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None

@@ -25,7 +25,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from . import compat
 from ...common.config import OptimConfig, ParallelConfig
-from ...common.mesh import ParallelMesh, mesh_sizes
+from ...common.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ParallelMesh, mesh_sizes
 
 # Clipping off still needs the norm for the metrics: clip at a bound no norm reaches.
 _NO_CLIP = 1.0e30
@@ -126,10 +126,10 @@ def megatron_mesh(parallel: ParallelConfig, world_size: int) -> ParallelMesh:
     """Megatron's groups (after init_model_parallel) as a common.mesh.ParallelMesh. Its "dp" is data
     parallel without context parallelism: the context-parallel peers of a rank share its rows."""
     sizes = mesh_sizes(parallel, world_size)
-    groups = {"dp": parallel_state.get_data_parallel_group(with_context_parallel=False),
-              "cp": parallel_state.get_context_parallel_group(),
-              "tp": parallel_state.get_tensor_model_parallel_group(),
-              "pp": parallel_state.get_pipeline_model_parallel_group()}
+    groups = {DATA: parallel_state.get_data_parallel_group(with_context_parallel=False),
+              CONTEXT: parallel_state.get_context_parallel_group(),
+              TENSOR: parallel_state.get_tensor_model_parallel_group(),
+              PIPELINE: parallel_state.get_pipeline_model_parallel_group()}
     # DDP's gradient all-reduce spans the context-parallel ranks too (megatron's dp x cp group).
     return ParallelMesh.from_groups(sizes=sizes, groups=groups,
                                     shard_group=parallel_state.get_data_parallel_group(with_context_parallel=True))

@@ -28,7 +28,7 @@ from . import parallelize, value_model
 from .quiet import veomni_output
 from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
-from ...common.mesh import ParallelMesh, mesh_sizes
+from ...common.mesh import DATA, ULYSSES, ParallelMesh, mesh_sizes
 from ...common.transforms import apply_transforms, engine_transforms, resolve_transforms
 from ...common.valuehead.config import install_value_head
 from ...common.valuehead.load import plan_load
@@ -68,9 +68,9 @@ class VeOmniCriticEngine(FSDP2Engine):
             self.parallel_state = parallelize.init_parallel_state(self.dist.world_size, self.config.parallel.ulysses)
         state = self.parallel_state
         if self.config.parallel.ulysses == 1:
-            return ParallelMesh.from_groups(sizes=sizes, groups={"dp": state.dp_group}, device_mesh=state.device_mesh)
+            return ParallelMesh.from_groups(sizes=sizes, groups={DATA: state.dp_group}, device_mesh=state.device_mesh)
         # Ulysses: VeOmni's FSDP shards over its dp_shard_sp dimension (data parallel x Ulysses).
-        return ParallelMesh.from_groups(sizes=sizes, groups={"dp": state.dp_group, "sp": state.ulysses_group},
+        return ParallelMesh.from_groups(sizes=sizes, groups={DATA: state.dp_group, ULYSSES: state.ulysses_group},
                                         device_mesh=state.device_mesh, shard_group=state.fsdp_mesh.get_group(),
                                         shard_device_mesh=state.fsdp_mesh)
 

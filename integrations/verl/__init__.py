@@ -9,8 +9,7 @@ verl builds an engine of it:
     import critic_adapters.integrations.verl  # noqa: F401  (in every process that builds a critic)
 
 engine.py has what the engine does, config.py how verl's critic configs map onto ours, and
-cpu_platform.py the CPU platform verl lacks (put in place on a machine without GPUs, just before
-verl imports its engines). verl itself is optional: it needs transformers < 5.11 (tools/setup.sh
+cpu_platform.py the CPU platform verl lacks (put in place on import, on a machine without GPUs). verl itself is optional: it needs transformers < 5.11 (tools/setup.sh
 installs it as an overlay, .overlays/verl-0.9.1, for the tests).
 """
 
@@ -22,8 +21,12 @@ if importlib.util.find_spec("verl") is None:
                       "'tensordict<=0.10.0' in the stack's environment (tools/setup.sh builds .overlays/verl-0.9.1 "
                       "for the tests)")
 
+from .cpu_platform import install_if_no_accelerator  # noqa: E402
 from .plugin import register_when_verl_engines_load  # noqa: E402
 
+# Before anything of verl's asks for its platform (the first ask fixes it: cuda, on a machine
+# without GPUs); verl.plugin.platform imports no engine.
+install_if_no_accelerator()
 register_when_verl_engines_load()
 
 # Imported on first use: engine.py imports verl's engines, config.py verl's configs.

@@ -3,10 +3,9 @@ without a GPU it falls back to nvidia and then calls torch.cuda (memory statisti
 all-reduce device) and asks for nccl. use_cpu_platform() installs this one through verl's plugin
 API (verl.plugin.platform.set_platform): device "cpu", backend gloo, zero memory statistics.
 
-With critic_adapters.integrations.verl imported, install_if_no_accelerator() runs just before
-verl imports verl.workers.engine (verl's fsdp engine module reads the device name when it is
-imported; plugin.py): on a machine with no CUDA or NPU device and no VERL_PLATFORM set, verl then
-runs on CPU. Nothing changes on GPUs.
+Importing critic_adapters.integrations.verl calls install_if_no_accelerator() (before verl's
+modules ask for the device name: the first ask fixes verl's platform): on a machine with no CUDA or
+NPU device and no VERL_PLATFORM set, verl then runs on CPU. Nothing changes on GPUs.
 """
 
 from __future__ import annotations

@@ -120,11 +120,9 @@ class CriticAdaptersEngine(BaseEngine):
         return self.engine.dp_group if self.engine.dp_group is not None else torch.distributed.group.WORLD
 
     def is_mp_src_rank_with_outputs(self):
-        """One rank per data-parallel share reports outputs: megatron's first tensor and context rank
-        of the last pipeline stage; the FSDP2-based backends' first rank of each Ulysses group."""
-        if self.backend == "megatron":
-            return self.engine.tp_rank == 0 and self.engine.cp_rank == 0 and self.engine.last_stage
-        return self.engine.parallel.coords["sp"] == 0
+        """One rank per data-parallel share reports outputs (common.mesh.ParallelMesh.reports_outputs:
+        the last pipeline stage's first tensor, context and Ulysses rank)."""
+        return self.engine.parallel.reports_outputs
 
     # -- the step --------------------------------------------------------------------------------------
     def optimizer_zero_grad(self):

@@ -7,9 +7,10 @@ importing critic_adapters.integrations.verl (or verl loading it as a plugin) onl
 `sys.meta_path`. When the process itself imports `verl.workers.engine` (verl's TrainingWorker
 does), the finder
 
-  - first puts verl on our CPU platform when there is no accelerator (cpu_platform.py; verl's
-    engine modules read the device name as they are imported, so this must come before), then
   - lets verl's package run unchanged, and right after it registers CriticAdaptersEngine.
+
+(The CPU platform, cpu_platform.py, is put in place when our package is imported: the first of
+verl's modules to ask for the platform fixes it, and several ask before verl.workers.engine.)
 
 When `verl.workers.engine` is imported already, registration happens at once.
 """
@@ -47,9 +48,6 @@ class _RegisterWhenVerlEnginesLoad(importlib.abc.MetaPathFinder):
         if fullname != ENGINE_PACKAGE:
             return None
         sys.meta_path.remove(self)  # once: the other finders below find verl's own spec
-        from .cpu_platform import install_if_no_accelerator
-
-        install_if_no_accelerator()
         for finder in sys.meta_path:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -62,9 +60,6 @@ def register_when_verl_engines_load() -> None:
     """Register CriticAdaptersEngine with verl's EngineRegistry once verl imports its engines (now,
     if it has); idempotent."""
     if ENGINE_PACKAGE in sys.modules:
-        from .cpu_platform import install_if_no_accelerator
-
-        install_if_no_accelerator()
         _register_now()
     elif not any(isinstance(finder, _RegisterWhenVerlEnginesLoad) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RegisterWhenVerlEnginesLoad())

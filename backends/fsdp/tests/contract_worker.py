@@ -18,7 +18,7 @@ import torch.distributed as torch_dist
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows
-from critic_adapters.common.mesh import ParallelMesh
+from critic_adapters.common.mesh import DATA, ParallelMesh
 from critic_adapters.common.registry import BackendSpec, register_backend
 from critic_adapters.common.config import EngineConfig, ModelConfig, load_train_config
 from critic_adapters.common.distributed import init_distributed, shutdown
@@ -37,7 +37,7 @@ class OneDPRankEngine(FSDPCriticEngine):
 
 def one_dp_rank(config, dist, mesh=None):
     groups = [torch_dist.new_group([rank]) for rank in range(dist.world_size)]  # collective: all ranks, same order
-    return OneDPRankEngine(config, dist, mesh=ParallelMesh.from_groups(sizes={"dp": 1}, groups={"dp": groups[dist.rank]}))
+    return OneDPRankEngine(config, dist, mesh=ParallelMesh.from_groups(sizes={DATA: 1}, groups={DATA: groups[dist.rank]}))
 
 
 def train(run_dir, backend, overrides):
