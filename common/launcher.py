@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -87,28 +85,21 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
-    """Run this module under torchrun (common.quiet_torchrun) and wait; returns the failed worker's exit
-    code. torchrun dies with this process (and its workers watch this pid); Ctrl-C here is passed on
-    once, so that the workers stop and report where."""
-    from .lifeline import LAUNCHER_PID_ENV, die_with_parent
+    """Run this module's workers under torchrun's agent in this process (common.quiet_torchrun) and
+    wait; returns the failed worker's exit code. The workers watch this pid and exit when it is gone
+    (common.lifeline); Ctrl-C here reaches torchrun's agent, which passes it on to the workers once
+    (each runs in a session of its own), so that they stop and report where."""
+    from .lifeline import LAUNCHER_PID_ENV
+    from .quiet_torchrun import main as torchrun
 
-    # By name, relative to wherever this package lives (vendored copies included).
-    command = [sys.executable, "-m", f"{__package__}.quiet_torchrun", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", module, *argv]
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    env = dict(os.environ, OMP_NUM_THREADS=threads, **{LAUNCHER_PID_ENV: str(os.getpid())})
-    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's own warnings repeat what the workers say
-    # A session of its own: a terminal's Ctrl-C reaches only this process, which forwards it once.
-    child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent())
-    interrupted = False
-    while True:
-        try:
-            code = child.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-            child.send_signal(signal.SIGINT)
-    return INTERRUPTED if interrupted else code
+    os.environ.update(OMP_NUM_THREADS=threads, **{LAUNCHER_PID_ENV: str(os.getpid())})
+    os.environ.setdefault("LOGLEVEL", "ERROR")  # torchrun's own warnings repeat what the workers say
+    # By name, relative to wherever this package lives (vendored copies included).
+    try:
+        return torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", module, *argv])
+    except KeyboardInterrupt:  # before torchrun's agent took the signal over
+        return INTERRUPTED
 
 
 def _user_layers(args) -> tuple[list[str], list[str], str | None]:

@@ -1,39 +1,19 @@
 """Workers die with the launcher that started them.
 
 torchrun starts each worker in a session of its own, so a launcher killed with SIGKILL (or a
-crashed terminal) would leave the workers training and writing to the run_dir. Two ties:
-  - the launcher's torchrun child gets a parent-death signal (Linux prctl), so torchrun stops its
-    workers when the launcher dies;
-  - each worker watches the launcher's pid (from LAUNCHER_PID_ENV) and exits when it is gone, in
-    case torchrun itself cannot do it.
+crashed terminal) would leave the workers training and writing to the run_dir; torchrun's agent
+runs in the launcher's process and dies with it. So each worker watches the launcher's pid (from
+LAUNCHER_PID_ENV) and exits when it is gone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import threading
 import time
 
 LAUNCHER_PID_ENV = "CRITIC_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGTERM):
-    """A subprocess preexec_fn: the child gets `sig` when the process that started it dies (Linux)."""
-    parent = os.getpid()  # called in the parent, before the fork
-
-    def preexec() -> None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the workers' watchdog still applies
-            return
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def _process_state(pid: int) -> tuple[str, str] | None:

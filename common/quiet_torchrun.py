@@ -1,5 +1,5 @@
-"""torchrun for the launcher's --nproc relaunch, minus torchrun's own report of what the workers
-already reported.
+"""torchrun for the launcher's --nproc relaunch (run in the launcher's own process: one interpreter
+fewer to start), minus torchrun's own report of what the workers already reported.
 
 Each worker prints its own one-line error (or "interrupted at step N") before it exits, so torchrun's
 multi-line failure report and its traceback on Ctrl-C only bury that line. This keeps torchrun's
@@ -12,13 +12,14 @@ from __future__ import annotations
 import sys
 
 
-def main() -> int:
+def main(args: list[str] | None = None) -> int:
+    """torchrun ARGS (sys.argv[1:] when None) in this process; the exit code as the module docstring says."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main()
+        torchrun_main(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         if failure.exitcode < 0:

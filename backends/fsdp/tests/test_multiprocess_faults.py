@@ -85,7 +85,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     try:
         _wait_for(process, "rollouts:")  # the workers are training
         workers = _descendants(process.pid)
-        assert len(workers) >= 3, workers  # torchrun and its 2 workers
+        assert len(workers) >= 2, workers  # its 2 workers (torchrun's agent runs in the launcher itself)
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
         deadline = time.monotonic() + 10
