@@ -1,19 +1,10 @@
 """Train a PPO critic with the megatron-core engine: python -m critic_adapters.backends.megatron.train [CONFIG.yaml ...] [key=value ...]
 
-  python -m critic_adapters.backends.megatron.train                    # the default job: TP 2, so 2 CPU processes
-  python -m critic_adapters.backends.megatron.train --nproc 4 cfg.yaml engine.parallel.tensor=2 engine.parallel.pipeline=2
-  python -m critic_adapters.backends.megatron.train --nproc 2 engine.parallel.tensor=1 engine.parallel.context=2
-  torchrun --nproc_per_node 8 -m critic_adapters.backends.megatron.train cfg.yaml engine.parallel.tensor=4
-  python -m critic_adapters.backends.megatron.train cfg.yaml --resume  # continue from the latest checkpoint
-  python -m critic_adapters.backends.megatron.train cfg.yaml --dry-run # validate config + data, no training
-
-The one launcher (python -m critic_adapters.train, common/launcher.py) with backend megatron: the same
-flags, keys and defaults. Without torchrun, --nproc N > 1 relaunches itself under torchrun (gloo on
-CPU, nccl on GPU); without --nproc it starts the processes engine.parallel needs. Keys:
-common/config.py (every field has a docstring) or --print-config.
+The one launcher (python -m critic_adapters.train --backend megatron; common/launcher.py) with its backend
+fixed: the same flags, keys and defaults.
+Its default job runs at TP 2 (2 processes); `--nproc 4 engine.parallel.tensor=2
+engine.parallel.pipeline=2` or `engine.parallel.context=2` split it other ways.
 """
-
-from __future__ import annotations
 
 import sys
 

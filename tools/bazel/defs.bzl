@@ -44,3 +44,19 @@ def critic_module_binary(name, module, deps = [], **kwargs):
         deps = deps + ["//:package"],
         **kwargs
     )
+
+
+def critic_launcher_alias(backend, deps = []):
+    """A backend's launcher alias (its train.py: the one launcher with the backend fixed): the
+    py_library `train_lib` over train.py and the engine, and the binary `train`
+    (`bazel run //backends/<backend>:train -- --nproc 2 ...`)."""
+    native.py_library(
+        name = "train_lib",
+        srcs = ["train.py"],
+        deps = deps + [":engine", "//common:launcher"],
+    )
+    critic_module_binary(
+        name = "train",
+        module = "critic_adapters.backends.%s.train" % backend,
+        deps = [":train_lib"],
+    )
