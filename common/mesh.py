@@ -1,19 +1,22 @@
 """One parallel mesh per engine: the degrees of every dimension, this rank's coordinates and the
-process group of each dimension, built once and passed in (torchtitan's ParallelDims, megatron's
-pg_collection) instead of "group None means everyone" and library globals.
+process group of each dimension, built once (torchtitan's ParallelDims, megatron's pg_collection).
 
 Dimensions, outermost to innermost (the tensor-parallel peers are adjacent ranks, as megatron lays
 them out): pipeline, data, context, ulysses, tensor. The model-parallel ones are named as the
 engine.parallel fields that set their degrees (ParallelConfig); megatron's `sequence_parallel` is a
-switch of the tensor dimension, not a dimension. Use the constants below, never the strings. The FSDP2-based engines build theirs with
-`build_mesh(parallel, dist)` (a torch DeviceMesh); megatron and VeOmni wrap the groups their
-libraries create (`ParallelMesh.from_groups`). Loading, DCP, loss normalisation and metric
-reductions use `dp_group`; collectives that every rank of the engine joins use `world_group`.
+switch of the tensor dimension, not a dimension. Use the constants below, never the strings.
 
-The sequence-splitting dimensions (context, ulysses) hold the same rows as their data-parallel rank but
-different tokens of them, so their gradients add up: an FSDP engine shards over and averages
-gradients across `shard_group` (data x context x ulysses), while the rows, the loss normaliser and the metrics
-stay per data-parallel rank.
+The FSDP2-based engines build theirs with `build_mesh(parallel, dist)` (a torch DeviceMesh over the
+default group) or take one passed in; megatron and VeOmni wrap the groups their libraries create
+(`ParallelMesh.from_groups`) from the default group, so an engine on a sub-world of the host's
+ranks is not there yet, and some of their collectives (and the FSDP loader's broadcast from rank 0)
+still run on the default group. Loading, DCP, loss normalisation and metric reductions use
+`dp_group`; collectives that every rank of the engine joins use `world_group`.
+
+The sequence-splitting dimensions (context, ulysses) hold the same rows as their data-parallel rank
+but different tokens of them, so their gradients add up: an FSDP engine shards over and averages
+gradients across `shard_group` (data x context x ulysses), while the rows, the loss normaliser and
+the metrics stay per data-parallel rank.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class ParallelMesh:
     groups: dict[str, object]
     """The process group of each dimension this rank is in (a group of one rank where the degree is 1)."""
     world_group: object
-    """Every rank of the engine (the default group unless a host gave a sub-world)."""
+    """Every rank of the engine (today always the default group's ranks)."""
     device_mesh: object = None
     """The torch DeviceMesh the groups came from, when build_mesh made them."""
     shard_group: object = None
