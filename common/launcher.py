@@ -102,7 +102,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
         return INTERRUPTED
 
 
-def _user_layers(args) -> tuple[list[str], list[str], str | None]:
+def _user_layers(args, spec: LauncherSpec) -> tuple[list[str], list[str], str | None]:
     """(the user's YAML files, overrides, the run's saved config.yaml when --resume has no YAML)."""
     from .config import load_train_config
 
@@ -111,8 +111,13 @@ def _user_layers(args) -> tuple[list[str], list[str], str | None]:
     if args.resume:
         overrides.append("trainer.resume=true")
     saved = None
-    if args.resume and not yamls:
-        run_dir = load_train_config([DEFAULT_JOB], overrides).trainer.run_dir
+    if args.resume and not yamls:  # the run_dir the backend's default job would use (megatron's is its own)
+        from .config import declared_backend
+        from .registry import backend_spec
+
+        backend = args.backend or declared_backend([], overrides) or spec.backend or "fsdp"
+        defaults = ("job_defaults", backend_spec(backend).job_defaults)
+        run_dir = load_train_config([DEFAULT_JOB, defaults], overrides).trainer.run_dir
         saved = os.path.join(os.path.abspath(run_dir), "config.yaml")
         saved = saved if os.path.isfile(saved) else None
     return yamls, overrides, saved
@@ -149,7 +154,7 @@ def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print)
     from .trainer import check_backend
 
     try:
-        yamls, overrides, saved = _user_layers(args)
+        yamls, overrides, saved = _user_layers(args, spec)
         backend = _choose_backend(args, spec, yamls, overrides, saved)
         if saved:
             config = load_train_config([saved], overrides)
