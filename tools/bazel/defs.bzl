@@ -2,16 +2,22 @@
 
 Every test file ends with `run_pytest(__file__)` (common/tests/helpers.py), so a test is just the
 file as `main`; test files import the package by name (critic_adapters.*), which the runfiles tree
-provides (the workspace is named critic_adapters and its root holds __init__.py). `multiprocess` tests launch torchrun themselves: they are `large`, exclusive (they
-use both cores) and tagged so a suite can pick them.
+provides (the workspace is named critic_adapters and its root holds __init__.py). `multiprocess` tests launch torchrun themselves: they are `large` and tagged so a suite can pick
+them. They are not exclusive: most of a multi-process test's wall time is interpreters starting and
+importing torch one after another, so two of them side by side (--local_test_jobs=2) fill each
+other's idle core. `exclusive = True` keeps a test alone (the Ray tests: one local Ray cluster at a
+time).
 """
 
-def critic_test(name, src = None, deps = [], data = [], size = "medium", multiprocess = False, tags = [], **kwargs):
+def critic_test(name, src = None, deps = [], data = [], size = "medium", multiprocess = False, exclusive = False,
+                tags = [], **kwargs):
     src = src or name + ".py"
     extra_tags = ["cpu"]
     if multiprocess:
-        extra_tags += ["multiprocess", "exclusive"]
+        extra_tags.append("multiprocess")
         size = "large"
+    if exclusive:
+        extra_tags.append("exclusive")
     native.py_test(
         name = name,
         srcs = [src],
