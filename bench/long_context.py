@@ -124,7 +124,7 @@ def worker(backend: str, model_dir: str, length: int, degree: int, out_file: str
     metrics = engine.update(batch)
     seconds = time.perf_counter() - start
     added_mib = (_peak_kib() - before) / 1024
-    seconds, worst_mib = all_reduce([seconds, added_mib], op="max")  # the slowest, the largest rank
+    seconds, worst_mib = all_reduce([seconds, added_mib], op="max", group=engine.parallel.world_group)  # the slowest, the largest rank
     if dist.is_main:
         with open(out_file, "w") as f:
             json.dump({"backend": backend, "length": length, "degree": degree, "seconds": seconds,

@@ -134,7 +134,7 @@ def _numel(shape: list[int]) -> int:
 
 
 @contextlib.contextmanager
-def staged_checkpoint(directory: str, *, is_main: bool, group=None):
+def staged_checkpoint(directory: str, *, is_main: bool, group):
     """Yield one staging directory to every rank of `group`; it replaces `directory` when all ranks'
     blocks succeed. If any rank fails, every rank raises (none is left waiting in a collective),
     the staging directory is removed and the previous checkpoint stays as it was."""
@@ -235,13 +235,13 @@ def _caused_by_full_disk(err: BaseException | None) -> bool:
     return False
 
 
-def save_with_space_check(engine, root: str, directory: str, extra_state: dict, *, main: bool) -> None:
+def save_with_space_check(engine, root: str, directory: str, extra_state: dict, *, main: bool, group) -> None:
     """engine.save_checkpoint(directory, extra_state) (collective), refused on every rank alike when
     the disk of `root` (the main rank's view) has less free space than the save needs; a save that
     fails on a full disk is a ValueError naming the disk, the sizes and the last good checkpoint."""
     # A write that runs out of space half-way fails with messages that never mention the disk.
     needed = engine.checkpoint_bytes()
-    free = broadcast_object(shutil.disk_usage(root).free if main else None)
+    free = broadcast_object(shutil.disk_usage(root).free if main else None, group=group)
     if needed > free:
         raise ValueError(_disk_full_message(root, directory, needed, free))
     try:

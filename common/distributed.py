@@ -69,45 +69,57 @@ def init_distributed() -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def _world(group):
-    return dist.group.WORLD if group is None else group
+def _group(group):
+    """`group`, checked: None is allowed only where there is no one else (no process group, or a
+    world of one): a collective that forgot its group would otherwise run on the default group,
+    which is every rank of the host, not the engine's."""
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("a collective without a process group in a world of "
+                           f"{dist.get_world_size()}: pass the engine's (its mesh's world_group or dp_group)")
+    return group
 
 
 def _active(group) -> bool:
-    return dist.is_initialized() and dist.get_world_size(_world(group)) > 1
+    return _group(group) is not None and dist.get_world_size(group) > 1
 
 
-def all_reduce(values: list[float], op: str = "sum", group=None) -> list[float]:
-    """Sum or max of a few numbers across the ranks of `group` (default: all), as a float64 CPU
-    tensor (token counts stay exact; on GPU it goes through the group's gloo backend)."""
+def all_reduce(values: list[float], op: str = "sum", *, group) -> list[float]:
+    """Sum or max of a few numbers across the ranks of `group`, as a float64 CPU tensor (token
+    counts stay exact; on GPU it goes through the group's gloo backend)."""
     tensor = torch.tensor(values, dtype=torch.float64)
     if _active(group):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_world(group))
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
 
 
-def broadcast_object(obj, src: int = 0, group=None):
+def broadcast_object(obj, src: int = 0, *, group):
     """`obj` of the rank whose index within `group` is `src`, on every rank of the group."""
     if not _active(group):
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(_world(group), src), group=_world(group))
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, src), group=group)
     return holder[0]
 
 
-def all_gather_object(obj, group=None) -> list:
+def all_gather_object(obj, *, group) -> list:
     """Every rank's `obj`, in rank order."""
     if not _active(group):
         return [obj]
-    gathered = [None] * dist.get_world_size(_world(group))
-    dist.all_gather_object(gathered, obj, group=_world(group))
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 
-def barrier(group=None) -> None:
+def barrier(group) -> None:
     """Wait for every rank of `group`; a CPU all-reduce, so it needs no device (gloo on any machine)."""
     if _active(group):
-        dist.all_reduce(torch.zeros(1), group=_world(group))
+        dist.all_reduce(torch.zeros(1), group=group)
+
+
+def world_group():
+    """The default group (every process of this job), or None without one: for what the job itself
+    runs across all its processes (the launcher's trainer, shutdown), never inside an engine."""
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def gloo_worker_threads() -> list[int]:
@@ -154,7 +166,7 @@ def shutdown() -> None:
     """Leave the process group cleanly (after every engine is closed): barrier, destroy every group,
     and stop their worker threads before the interpreter exits (see _release_destroyed_groups)."""
     if dist.is_initialized():
-        barrier()
+        barrier(world_group())
         dist.destroy_process_group()
     _release_destroyed_groups()
     if gloo_worker_threads():

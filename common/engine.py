@@ -191,7 +191,7 @@ from .registry import BACKENDS, build_engine  # noqa: E402,F401
 
 
 def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, vocab_size: int,
-                       batch: RolloutBatch | None = None, group=None) -> None:
+                       batch: RolloutBatch | None = None, group) -> None:
     """Token ids in the vocabulary and finite targets, checked before any forward and raised on
     every rank of `group` together: one rank raising alone would leave the others in a collective
     (gloo aborts, NCCL hangs). Call it before touching weights or optimizer."""

@@ -51,6 +51,7 @@ from .distributed import DistContext, all_reduce, barrier
 from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .registry import check_engine_config
+from .shard_state import gather_full_state
 from .transforms import engine_transforms, export_state_dict, trainable_parameters, transform_names
 from .update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from .valuehead import save_critic
@@ -301,10 +302,11 @@ class FSDP2Engine(abc.ABC):
         (total,) = all_reduce([float(local)], group=self.shard_group)
         return int(total) + 2**20
 
-    def _full_state(self) -> dict:
-        """The full (unsharded) model state dict, on rank 0's CPU (collective)."""
+    def _full_state(self) -> dict | None:
+        """The full (unsharded) model state dict on the CPU of the shard group's first rank, None
+        elsewhere (collective over the shard group, tensor by tensor: common.shard_state)."""
         self._settle()
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return gather_full_state(self.model, group=self.shard_group)
 
     def export_hf(self, directory: str) -> None:
         """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master

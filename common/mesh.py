@@ -6,12 +6,14 @@ them out): pipeline, data, context, ulysses, tensor. The model-parallel ones are
 engine.parallel fields that set their degrees (ParallelConfig); megatron's `sequence_parallel` is a
 switch of the tensor dimension, not a dimension. Use the constants below, never the strings.
 
-The FSDP2-based engines build theirs with `build_mesh(parallel, dist)` (a torch DeviceMesh over the
-default group) or take one passed in; megatron and VeOmni wrap the groups their libraries create
-(`ParallelMesh.from_groups`) from the default group, so an engine on a sub-world of the host's
-ranks is not there yet, and some of their collectives (and the FSDP loader's broadcast from rank 0)
-still run on the default group. Loading, DCP, loss normalisation and metric reductions use
-`dp_group`; collectives that every rank of the engine joins use `world_group`.
+`build_mesh(parallel, dist, ranks=None)` makes one over every rank of the default group, or over a
+sub-world a host gives the critic (ranks 2 and 3 of 4): the fsdp engine builds it when none is
+passed in, or runs on the one passed in. megatron and VeOmni wrap the groups their libraries create
+over the default group (`ParallelMesh.from_groups`; megatron-core's parallel_state and VeOmni's
+parallel state are process-wide) and refuse a sub-world mesh by name. Every collective of the
+engines names its group (common.distributed refuses one without a group where others would wait):
+loading, DCP, loss normalisation and metric reductions use `dp_group` or `shard_group`;
+collectives that every rank of the engine joins use `world_group`.
 
 The sequence-splitting dimensions (context, ulysses) hold the same rows as their data-parallel rank
 but different tokens of them, so their gradients add up: an FSDP engine shards over and averages
@@ -46,7 +48,7 @@ class ParallelMesh:
     groups: dict[str, object]
     """The process group of each dimension this rank is in (a group of one rank where the degree is 1)."""
     world_group: object
-    """Every rank of the engine (today always the default group's ranks)."""
+    """Every rank of the engine: the default group, or a sub-world's group (build_mesh(ranks=...))."""
     device_mesh: object = None
     """The torch DeviceMesh the groups came from, when build_mesh made them."""
     shard_group: object = None
@@ -136,6 +138,15 @@ class ParallelMesh:
                    device_mesh, shard_group, shard_device_mesh)
 
 
+def check_spans_world(mesh: ParallelMesh, *, who: str, why: str) -> None:
+    """ValueError when `mesh` is a sub-world (fewer ranks than the default group): for a backend
+    whose library keeps process-wide groups."""
+    world = torch_dist.get_world_size()
+    if mesh.world_size != world:
+        raise ValueError(f"{who} runs on every process ({why}): the mesh passed in has {mesh.world_size} of the "
+                         f"{world} ranks; give this backend the whole world, or use backend fsdp on a sub-world")
+
+
 def _product(values) -> int:
     out = 1
     for v in values:
@@ -150,19 +161,31 @@ def mesh_sizes(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     return {dim: sizes[dim] for dim in DIMS}
 
 
-def build_mesh(parallel: ParallelConfig, dist: DistContext) -> ParallelMesh:
-    """The mesh of every rank of the default group (collective: every rank calls it, in the same order).
+def build_mesh(parallel: ParallelConfig, dist: DistContext, ranks=None) -> ParallelMesh | None:
+    """The mesh of the engine's ranks: every rank of the default group, or `ranks` of it (a host
+    that gives the critic a sub-world, e.g. ranks 2 and 3 of 4). Collective over the whole default
+    group, like torch's new_group: every process calls it with the same `ranks`, in the same order;
+    a process outside `ranks` gets None.
 
     The DeviceMesh has the dimensions of degree > 1, plus DATA always, so FSDP has a data-parallel
     mesh to shard over even when it is one rank; with a split sequence (context or ulysses > 1),
     FSDP shards over data x context x ulysses flattened into one dimension, "shard"."""
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
-    sizes = mesh_sizes(parallel, dist.world_size)
+    world = torch_dist.get_world_size()
+    members = list(range(world)) if ranks is None else sorted(int(r) for r in ranks)
+    if not members or len(set(members)) != len(members) or members[0] < 0 or members[-1] >= world:
+        raise ValueError(f"build_mesh: ranks {ranks} are not distinct ranks of the world of {world} processes")
+    sizes = mesh_sizes(parallel, len(members))
     names = tuple(dim for dim in DIMS if sizes[dim] > 1 or dim == DATA)
-    device_mesh = init_device_mesh(dist.device.type, tuple(sizes[d] for d in names), mesh_dim_names=names)
-    groups = {dim: device_mesh.get_group(dim) for dim in names}
+    layout = torch.tensor(members).reshape(tuple(sizes[d] for d in names))
+    device_mesh = DeviceMesh(dist.device.type, layout, mesh_dim_names=names)
+    world_group = torch_dist.group.WORLD if len(members) == world else torch_dist.new_group(members)
     split_dims = tuple(dim for dim in SHARD_DIMS if dim in names)
     shard_mesh = device_mesh[split_dims]._flatten("shard") if len(split_dims) > 1 else device_mesh[DATA]
-    return ParallelMesh.from_groups(sizes=sizes, groups=groups, device_mesh=device_mesh,
+    if dist.rank not in members:
+        return None
+    groups = {dim: device_mesh.get_group(dim) for dim in names}
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group, device_mesh=device_mesh,
                                     shard_group=shard_mesh.get_group(), shard_device_mesh=shard_mesh)

@@ -21,7 +21,7 @@ from . import checkpoints
 from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
 from .data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
                    validate_records)
-from .distributed import DistContext, all_gather_object, barrier
+from .distributed import DistContext, all_gather_object, barrier, world_group
 from .engine import RolloutBatch, shift_to_tokens
 from .registry import build_engine, check_engine_config, check_layout
 from .loss import explained_variance
@@ -64,7 +64,7 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
     if dist.is_main and not os.path.isfile(os.path.join(target, "config.json")):
         with atomic_directory(target, overwrite=True) as staging:
             save_tiny_causal_lm(family, staging)
-    barrier()
+    barrier(world_group())
     return target
 
 
@@ -290,7 +290,7 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
             tmp = prepared_file + ".tmp"
             torch.save({"train": _as_dict(train), "eval": _as_dict(held_out)}, tmp)
             os.replace(tmp, prepared_file)
-        barrier()
+        barrier(world_group())
 
     # A fresh run starts its metrics afresh; a resumed one drops what the interrupted run logged after
     # its last checkpoint (those steps run again).
@@ -385,11 +385,11 @@ def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
 
 def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say) -> None:
     directory = checkpoints.step_dir(root, step)
-    checkpoints.save_with_space_check(engine, root, directory, position, main=main)
+    checkpoints.save_with_space_check(engine, root, directory, position, main=main, group=world_group())
     if main:
         checkpoints.mark_latest(root, directory)
         checkpoints.prune(root, keep_last=keep_last)
-    barrier()
+    barrier(world_group())
     say(f"checkpoint saved: {directory}")
 
 

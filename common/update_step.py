@@ -45,14 +45,14 @@ class StepPlan:
     """Longest row of the mini-batch (seq-mean-token-sum-norm divides by it)."""
 
 
-def plan_step(batch: RolloutBatch, loss: LossConfig, dp_group=None) -> StepPlan:
+def plan_step(batch: RolloutBatch, loss: LossConfig, dp_group) -> StepPlan:
     (normalizer,) = all_reduce([loss_normalizer(batch.response_mask, loss.agg_mode)], group=dp_group)
     (horizon,) = all_reduce([batch.input_ids.shape[1]], op="max", group=dp_group)
     return StepPlan(normalizer=normalizer, horizon=int(horizon))
 
 
-def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig,
-                       group=None) -> list[MicroBatch]:
+def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig, *,
+                       group) -> list[MicroBatch]:
     """This rank's micro-batches, as many as the busiest rank of `group` needs: ranks that share
     collectives (FSDP's gathers, Megatron's schedules) must run the same number."""
     local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
@@ -63,8 +63,8 @@ def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, ba
                               micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
 
 
-def whole_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig,
-                      group=None) -> MicroBatch:
+def whole_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig, *,
+                      group) -> MicroBatch:
     """All of this rank's rows as one micro-batch (packed or padded as `batching` says), for a host
     that sizes its own micro-batches (forward_backward); collective over `group`."""
     (budget,) = all_reduce([max(int(attention_mask.sum()), 1)], op="max", group=group)
@@ -106,7 +106,7 @@ class StepStats:
                                       (r * r).sum(), residual.sum(), (residual * residual).sum()])
         return loss
 
-    def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group=None,
+    def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group,
                 counts: bool = True) -> dict:
         """The step's metrics over `dp_group` (one host sync, one collective).
 

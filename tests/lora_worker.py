@@ -71,7 +71,7 @@ def main():
     resumed.close()
     # Every stage's trainable names (a pipeline stage holds only its own layers, the last one the head).
     local = {name for name, p in engine.model.named_parameters() if p.requires_grad}
-    trainable_all = sorted(set().union(*all_gather_object(local)))
+    trainable_all = sorted(set().union(*all_gather_object(local, group=engine.parallel.world_group)))
     finish(engine, dist, workdir, {"trainable_all": trainable_all,
         "values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
         "before": before, "after": after, "counts": engine.parameter_counts(), "extra": extra,

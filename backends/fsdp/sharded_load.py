@@ -1,11 +1,12 @@
 """Build a sharded critic without any rank but the first holding the whole model.
 
 Every rank builds the critic's module tree on the meta device and shards it; only rank 0 of the
-shard group (the data-parallel ranks, times the Ulysses degree) reads the checkpoint (load_critic: any format, the head checks, the load report). Its full
-state is then broadcast tensor by tensor into the other ranks' shards
-(`set_model_state_dict(broadcast_from_rank0=True)`), so a rank other than 0 holds its shard plus
-one tensor in flight — never the whole model, nor the checkpoint's mapped pages. Buffers, which
-FSDP does not shard (rotary frequencies), follow from rank 0 the same way.
+shard group (the data-parallel ranks, times the Ulysses degree) reads the checkpoint (load_critic:
+any format, the head checks, the load report). Its full state (parameters and buffers, which FSDP
+does not shard: rotary frequencies) is then broadcast tensor by tensor over the shard group into
+the other ranks' shards (common.shard_state), so a rank other than 0 holds its shard plus one
+tensor in flight — never the whole model, nor the checkpoint's mapped pages. The shard group may be
+a sub-world of the host's ranks: nothing here runs on the default group.
 
 The configured transforms (common/transforms.py) rewrite the critic between loading and sharding:
 rank 0's loaded copy and every rank's meta tree alike. With one shard rank there is nothing
@@ -17,12 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as torch_dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...common.distributed import broadcast_object
 from ...common.mesh import ParallelMesh
+from ...common.shard_state import broadcast_state_into
 from ...common.valuehead import LoadReport, load_critic
 from ...common.valuehead.config import DECLARED_HEAD, critic_class, install_value_head
 from ...common.valuehead.load import plan_load
@@ -65,17 +65,12 @@ def load_sharded_critic(
         model, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
         return parallelize(transform(model.to(device)), fsdp_mesh), report
 
-    # set_model_state_dict(broadcast_from_rank0) broadcasts over the default group: shard over every
-    # rank, or over one (above).
-    if mesh.shard_size != torch_dist.get_world_size():
-        raise ValueError(f"the fsdp backend shards over every process or none: {mesh.shard_size} shard ranks "
-                         f"of {torch_dist.get_world_size()} processes is not a layout it can load")
-    full_state, buffers, report = {}, {}, None
+    full_state, report = None, None
     if rank == 0:
         loaded, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
         loaded = transform(loaded)
-        full_state = loaded.state_dict()
-        buffers = dict(loaded.named_buffers())  # non-persistent ones (rotary inv_freq) are not in state_dict
+        full_state = dict(loaded.named_parameters(remove_duplicate=False))
+        full_state.update(loaded.named_buffers(remove_duplicate=False))  # non-persistent ones too (rotary inv_freq)
         del loaded
     report = broadcast_object(report, group=dp_group)
     # Build the same tree everywhere (rank 0 too: its loaded copy is dropped once broadcast).
@@ -85,13 +80,6 @@ def load_sharded_critic(
                                    value_head=load_kwargs.get("value_head", DECLARED_HEAD)))
     model = parallelize(model, fsdp_mesh)
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    src = torch_dist.get_global_rank(dp_group, 0)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if rank == 0:
-                buffer.copy_(buffers[name].to(device))
-            torch_dist.broadcast(buffer, src=src, group=dp_group)
-    del full_state, buffers
+    broadcast_state_into(model, full_state, group=dp_group)
+    del full_state
     return model.eval(), report

@@ -41,7 +41,7 @@ def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
     a failure on any rank raises on every rank (common.checkpoints.staged_checkpoint)."""
     state = _sharded_state(engine.model, engine.optimizer, is_loading=False)
     main = engine.dist.is_main
-    with staged_checkpoint(directory, is_main=main) as staging:
+    with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group) as staging:
         with compat.cuda_to_cpu():
             dist_checkpointing.save(state, staging)
         if main:
@@ -64,7 +64,7 @@ def load_checkpoint(directory: str, engine) -> dict:
     return load_trainer_state(directory, engine)
 
 
-def export_hf(directory: str, hf_state: dict | None, critic_class: type, hf_config) -> None:
+def export_hf(directory: str, hf_state: dict | None, critic_class: type, hf_config, *, group) -> None:
     """Rank 0 (the one holding `hf_state`) writes the HF critic; every rank waits for it."""
     if hf_state is not None:
         with torch.random.fork_rng(devices=[]):  # the fresh module's init draws on the global RNG
@@ -72,4 +72,4 @@ def export_hf(directory: str, hf_state: dict | None, critic_class: type, hf_conf
         result = critic.load_state_dict(hf_state, strict=True)
         assert not result.missing_keys and not result.unexpected_keys, result
         save_critic(critic, directory, overwrite=True)
-    barrier()
+    barrier(group)

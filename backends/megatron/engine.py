@@ -34,7 +34,7 @@ from ...common.config import EngineConfig
 from ...common.distributed import DistContext, all_reduce, barrier
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.hl_gauss import head_values
-from ...common.mesh import CONTEXT, ParallelMesh
+from ...common.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.registry import check_engine_config
 from ...common.update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from ...common.lora import base_state, injected_names, write_adapter
@@ -48,11 +48,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class MegatronCriticEngine:
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
-        """`mesh`: accepted when its degrees are the config's; megatron's own groups (parallel_state)
-        are what the engine runs on, and `self.parallel` wraps them."""
+        """`mesh`: accepted when its degrees are the config's and it spans every process: megatron-core
+        0.16's parallel_state (which its optimizer, schedules and dist_checkpointing read) is built
+        over the default group, so the engine runs on those groups and `self.parallel` wraps them."""
         check_engine_config("megatron", config)
         if mesh is not None:
             mesh.check_matches(config.parallel, who="the megatron engine")
+            check_spans_world(mesh, who="the megatron engine",
+                              why="megatron-core's parallel_state spans the default group")
         self.config = config
         self.dist = dist
         model_cfg = config.model
@@ -167,7 +170,8 @@ class MegatronCriticEngine:
     @torch.no_grad()
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
-        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size)  # every rank together
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size,
+                           group=self.parallel.world_group)  # every rank together
         self.model.eval()
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
 
@@ -184,7 +188,8 @@ class MegatronCriticEngine:
         """Forward/backward of this rank's micro-batches through megatron's schedule, gradients
         finalised (data-parallel all-reduce etc.); returns the step's statistics (zero off the last
         pipeline stage). Gradients are those of the global mini-batch loss."""
-        check_batch_inputs(batch.input_ids, batch.attention_mask, vocab_size=self.vocab_size, batch=batch)
+        check_batch_inputs(batch.input_ids, batch.attention_mask, vocab_size=self.vocab_size, batch=batch,
+                           group=self.parallel.world_group)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -222,7 +227,8 @@ class MegatronCriticEngine:
         # Each data-parallel share counted once, by its last-stage, tensor- and context-rank-0 process;
         # every rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
         return stats.metrics(grad_norm=float(grad_norm), lr=lr, tokens=float(batch.attention_mask.sum()),
-                             seconds=time.perf_counter() - start, counts=self._counts_share())
+                             seconds=time.perf_counter() - start, dp_group=self.parallel.world_group,
+                             counts=self._counts_share())
 
     def _counts_share(self) -> bool:
         """The one rank of each data-parallel share whose statistics count (its peers hold copies)."""
@@ -235,7 +241,7 @@ class MegatronCriticEngine:
         micro-batch of these rows; loss_fn(values [B, T] float32, unshifted, with gradients) on the
         last pipeline stage, backpropagated as it is (DDP averages gradients over the data-parallel
         ranks). Returns (values, the loss or None) on every rank (tensor and pipeline peers too)."""
-        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size)
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.parallel.world_group)
         train = loss_fn is not None
         self.model.train(train)
         if train and self._accumulating and self.config.parallel.sequence_parallel:
@@ -290,7 +296,7 @@ class MegatronCriticEngine:
         params = [p for p in self.model.parameters() if (p.requires_grad or not self.transforms)
                   and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
         local = 3 * sum(p.numel() * 4 for p in params) if self.dp_rank == 0 and self.cp_rank == 0 else 0
-        (total,) = all_reduce([float(local)])
+        (total,) = all_reduce([float(local)], group=self.parallel.world_group)
         return int(total) + 2**20
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
@@ -308,8 +314,10 @@ class MegatronCriticEngine:
             own = ((self.pp_rank, self.tp_rank), self.layout,
                    {k: v.detach().float().cpu() if v.is_floating_point() else v
                     for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")})
-        gathered = [None] * self.dist.world_size
-        torch_dist.gather_object(own, gathered if self.dist.is_main else None, dst=0)
+        world = self.parallel.world_group
+        gathered = [None] * torch_dist.get_world_size(world)
+        torch_dist.gather_object(own, gathered if self.dist.is_main else None, dst=torch_dist.get_global_rank(world, 0),
+                                 group=world)
         if not self.dist.is_main:
             return None
         states = {key: state for key, _, state in filter(None, gathered)}  # by (pp_rank, tp_rank)
@@ -330,7 +338,7 @@ class MegatronCriticEngine:
         state = self.hf_state_dict()
         if state is not None and self.transforms:
             state = export_state_dict(state, self.transforms)
-        checkpoint.export_hf(directory, state, self.critic_class, self.hf_config)
+        checkpoint.export_hf(directory, state, self.critic_class, self.hf_config, group=self.parallel.world_group)
 
     def export_adapter(self, directory: str) -> None:
         """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py);
@@ -341,7 +349,7 @@ class MegatronCriticEngine:
         state = self.hf_state_dict()
         if state is not None:
             write_adapter(directory, state, lora, head_name(self.hf_config), base_path=self.config.model.path)
-        barrier()
+        barrier(self.parallel.world_group)
 
     @property
     def data_parallel_ranks(self) -> int:

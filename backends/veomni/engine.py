@@ -28,7 +28,7 @@ from . import parallelize, value_model
 from .quiet import veomni_output
 from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
-from ...common.mesh import DATA, ULYSSES, ParallelMesh, mesh_sizes
+from ...common.mesh import DATA, ULYSSES, ParallelMesh, check_spans_world, mesh_sizes
 from ...common.transforms import apply_transforms, engine_transforms, resolve_transforms
 from ...common.valuehead.config import install_value_head
 from ...common.valuehead.load import plan_load
@@ -54,6 +54,16 @@ def reshard(model: torch.nn.Module) -> None:
 
 class VeOmniCriticEngine(FSDP2Engine):
     backend = "veomni"
+
+    def __init__(self, config, dist, *, mesh: ParallelMesh | None = None):
+        """`mesh`: accepted when it spans every process with the config's degrees; VeOmni's builders
+        read its own parallel state (a process-wide device mesh it builds with init_device_mesh over
+        the default group), so the engine builds that state for the same layout and runs on it."""
+        if mesh is not None:
+            mesh.check_matches(config.parallel, who="the veomni engine")
+            check_spans_world(mesh, who="the veomni engine",
+                              why="VeOmni 0.1.12 builds its parallel state over the default group")
+        super().__init__(config, dist)
 
     def _build_mesh(self) -> ParallelMesh:
         """VeOmni's parallel state (its device mesh) as this engine's mesh."""
@@ -111,7 +121,7 @@ class VeOmniCriticEngine(FSDP2Engine):
                     transform=(lambda critic: apply_transforms(critic, transforms)) if rewrites_keys else None)
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
                 error = err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}")
-        report, error, weights_dir = broadcast_object((report, error, weights_dir))
+        report, error, weights_dir = broadcast_object((report, error, weights_dir), group=self.parallel.world_group)
         try:
             if error is not None:
                 raise error
@@ -125,7 +135,7 @@ class VeOmniCriticEngine(FSDP2Engine):
                 model = apply_transforms(install_value_head(model), transforms)
                 if rewrites_keys:
                     mismatch = value_model.check_weights_cover(model, weights_dir) if self.dist.is_main else None
-                    mismatch = broadcast_object(mismatch)
+                    mismatch = broadcast_object(mismatch, group=self.parallel.world_group)
                     if mismatch:
                         raise ValueError(mismatch)
                 model = parallelize.parallelize(model, self.config, fsdp=fsdp, weights_path=weights_dir)
@@ -134,7 +144,7 @@ class VeOmniCriticEngine(FSDP2Engine):
                 value_model.check_probe_output(model, self.hf_config, device, sp_group=self.sp_group)
             reshard(model)
         finally:
-            barrier()  # every rank has read what it needs before rank 0 removes the directory
+            barrier(self.parallel.world_group)  # every rank has read what it needs before rank 0 removes the directory
             if self.dist.is_main:
                 value_model.remove_dir(weights_dir)
         report.attn_implementation = model.config._attn_implementation

@@ -1,5 +1,6 @@
 """Process-group setup for GPUs without a GPU: the group carries gloo for the CPU tensors our
-collectives use and nccl for the model's, and every collective names its group.
+collectives use and nccl for the model's, and every collective runs on the group it is given
+(never the default group by omission).
 
 An NCCL-only group once received CPU tensors from all_reduce, so the first collective on 2+ GPUs
 failed. A GPU machine is simulated by patching torch.cuda and torch.distributed.
@@ -38,17 +39,39 @@ def test_a_gpu_group_has_gloo_for_cpu_tensors(fake_gpu_world):
     assert context.device == torch.device("cuda", 1) and context.world_size == 2
 
 
-def test_collectives_send_cpu_tensors_to_an_explicit_group(fake_gpu_world):
+def test_collectives_send_cpu_tensors_to_the_group_they_are_given(fake_gpu_world, monkeypatch):
     distributed.init_distributed()
-    distributed.all_reduce([1.0, 2.0], op="max")
-    distributed.barrier()
-    distributed.broadcast_object("x")
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank + 2)
+    engine_group = object()  # an engine's group: a sub-world of the host's ranks
+    distributed.all_reduce([1.0, 2.0], op="max", group=engine_group)
+    distributed.barrier(engine_group)
+    distributed.broadcast_object("x", group=engine_group)
     collectives = fake_gpu_world[1:]
     assert [c[0] for c in collectives] == ["all_reduce", "all_reduce", "broadcast_object_list"]
     for name, payload, kwargs in collectives:
-        assert kwargs.get("group") is dist.group.WORLD, f"{name} without an explicit group"
+        assert kwargs.get("group") is engine_group, f"{name} ran on another group"
         if name == "all_reduce":
             assert payload.device.type == "cpu"
+    assert collectives[-1][2]["src"] == 2  # the group's rank 0, as a global rank
+
+
+def test_a_collective_without_a_group_is_refused_where_others_would_wait(fake_gpu_world):
+    """The default group is every rank of the host: an engine's collective there would wait for
+    ranks that are not the engine's. Without a process group (a Ray driver) None is fine."""
+    distributed.init_distributed()
+    for collective in (lambda: distributed.all_reduce([1.0], group=None), lambda: distributed.barrier(None),
+                       lambda: distributed.broadcast_object("x", group=None)):
+        with pytest.raises(RuntimeError, match="without a process group in a world of 2: pass the engine's"):
+            collective()
+    assert fake_gpu_world[1:] == []
+
+
+def test_without_a_process_group_collectives_are_this_process_alone(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert distributed.all_reduce([3.0], group=None) == [3.0]
+    assert distributed.broadcast_object("x", group=None) == "x"
+    assert distributed.all_gather_object("x", group=None) == ["x"]
+    assert distributed.world_group() is None
 
 
 def test_cpu_only_machines_use_gloo(monkeypatch):

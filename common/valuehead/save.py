@@ -43,6 +43,9 @@ def save_critic(
     with atomic_directory(os.fspath(out_dir), overwrite=overwrite) as staging:
         original_config = model.config
         model.config = config
+        # transformers writes only on global rank 0 of an initialised process group; the caller is
+        # the rank that writes (an engine on a sub-world of the host's ranks has no rank 0 in it).
+        model.should_save_on_this_rank = lambda is_main_process: True
         try:
             with quiet_transformers():
                 # save_original_format=False: write the model's own key names. By default transformers
@@ -52,6 +55,7 @@ def save_critic(
                                       save_original_format=False)
         finally:
             model.config = original_config
+            del model.should_save_on_this_rank
         # save_pretrained writes the Python class name; the generic critic's is our own dynamic class.
         config_file = os.path.join(staging, "config.json")
         with open(config_file) as f:

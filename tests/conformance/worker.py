@@ -161,7 +161,7 @@ def main() -> None:
     out["coords"] = {"dp_rank": engine.dp_rank, "dp_size": engine.dp_size,
                      "parallel_dp_rank": engine.parallel.dp_rank, "parallel_dp_size": engine.parallel.dp_size,
                      "dp_group_size": torch_dist.get_world_size(engine.dp_group)}
-    out["all_dp_ranks"] = sorted(all_gather_object(engine.dp_rank))
+    out["all_dp_ranks"] = sorted(all_gather_object(engine.dp_rank, group=engine.parallel.world_group))
     out["missing_members"] = [name for name in contract_members() if not hasattr(engine, name)]
     out["pieces"] = step_in_pieces(engine, rollout(dist.rank), workdir)
 
@@ -170,7 +170,7 @@ def main() -> None:
     engine.save_checkpoint(good)
     values_at_save = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     out["failing_save"] = failing_save(engine, good)
-    barrier()  # rank 0 removes the staging directory after the others have raised
+    barrier(engine.parallel.world_group)  # rank 0 removes the staging directory after the others have raised
     out["staging_left"] = sorted(n for n in os.listdir(workdir) if n.startswith("."))
     engine.load_checkpoint(good)  # the old checkpoint still loads
     out["old_checkpoint_values_diff"] = float(

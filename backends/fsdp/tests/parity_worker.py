@@ -38,7 +38,7 @@ def main():
         values = gather_rows(dist, mine, engine.compute_values(batch.input_ids, batch.attention_mask),
                              data["input_ids"].shape)
         stats = engine.accumulate_gradients(batch)
-        (loss,) = all_reduce([float(stats.sums[0])])
+        (loss,) = all_reduce([float(stats.sums[0])], group=engine.dp_group)
         grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
         results[name] = {"values": values, "loss": loss, "grads": grads, "agg_mode": agg_mode,
                          "attn": engine.load_report.attn_implementation,

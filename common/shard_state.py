@@ -1,0 +1,69 @@
+"""A sharded (FSDP2) module's whole state in and out, one tensor at a time, over the engine's own
+shard group: never the default group, so an engine on a sub-world of the host's ranks loads and
+exports like any other, and no rank but the group's first holds more than its shards plus one
+full tensor in flight.
+
+torch's `set_model_state_dict(broadcast_from_rank0=True)` and `get_model_state_dict(full_state_dict=
+True, cpu_offload=True)` do the same over global rank 0 (the default group), which a sub-world
+engine's group does not contain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name (non-persistent buffers too: rotary frequencies are not
+    in a state dict, and FSDP does not shard them)."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    return targets
+
+
+@torch.no_grad()
+def broadcast_state_into(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None, *, group,
+                         src: int = 0) -> None:
+    """Fill `model`'s parameters and buffers (sharded DTensors or plain tensors, materialised) from
+    `full_state`, which the rank of index `src` in `group` holds (None elsewhere), tensor by tensor.
+    Every name of the module must be in full_state; an extra name in it is an error too."""
+    rank = torch_dist.get_rank(group)
+    targets = _targets(model)
+    if rank == src:
+        missing, extra = sorted(set(targets) - set(full_state)), sorted(set(full_state) - set(targets))
+        problem = (missing or extra) and f"the loaded state does not match the module: missing {missing[:5]}, extra {extra[:5]}"
+    else:
+        problem = None
+    holder = [problem]
+    torch_dist.broadcast_object_list(holder, src=torch_dist.get_global_rank(group, src), group=group)
+    if holder[0]:
+        raise ValueError(holder[0])
+    global_src = torch_dist.get_global_rank(group, src)
+    for name, target in targets.items():
+        local = target.to_local() if isinstance(target, DTensor) else target
+        full = (full_state[name].to(device=local.device, dtype=local.dtype) if rank == src
+                else torch.empty(target.shape, dtype=local.dtype, device=local.device))
+        torch_dist.broadcast(full, src=global_src, group=group)
+        if isinstance(target, DTensor):  # this rank's part of the full tensor: no communication
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        local.copy_(full)
+        del full
+
+
+@torch.no_grad()
+def gather_full_state(model: torch.nn.Module, *, group, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The module's full state dict (the names and tensors `model.state_dict()` would have
+    unsharded) on the CPU of the rank of index `dst` in `group`, None elsewhere (collective over the
+    ranks the tensors are sharded across). Each tensor is gathered, copied to the CPU and dropped
+    before the next."""
+    main = torch_dist.get_rank(group) == dst
+    out: dict[str, torch.Tensor] | None = {} if main else None
+    for name, value in get_model_state_dict(model).items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if main:
+            out[name] = full.detach().to("cpu", copy=True)
+        del full
+    return out

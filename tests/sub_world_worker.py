@@ -1,0 +1,77 @@
+"""torchrun worker (4 processes): a host that gives the critic 2 of its 4 ranks.
+
+argv: model_dir batch_file out_dir. Every rank builds the critic's mesh over ranks {2, 3}
+(common.mesh.build_mesh(ranks=...), collective over the world) and the host's own group over
+{0, 1}. Ranks 0 and 1 play the actor: collectives of their own, many of them, while ranks 2 and 3
+run an fsdp critic on its sub-world: values, one update, a checkpoint saved and loaded back, an
+export. A collective of the critic on the default group would wait for ranks 0 and 1 forever; the
+world's timeout (120 s) turns that into a failure. Ranks 2 and 3 also record what megatron and
+VeOmni say to a sub-world mesh. Each rank writes out_dir/rank<r>.pt.
+"""
+
+import datetime
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as torch_dist
+
+from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.distributed import init_distributed, process_group_backend, shutdown
+from critic_adapters.common.engine import RolloutBatch, build_engine
+from critic_adapters.common.mesh import build_mesh
+from critic_adapters.common.tests.helpers import FIELDS
+
+CRITIC_RANKS = [2, 3]
+
+
+def engine_config(model_dir: str) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, grad_clip=1.0),
+                        loss=LossConfig(clip_range=None), batching=BatchingConfig(micro_batch_tokens=64))
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    model_dir, batch_file, out_dir = sys.argv[1:4]
+    torch_dist.init_process_group(process_group_backend(), timeout=datetime.timedelta(seconds=120))
+    dist = init_distributed()
+    config = engine_config(model_dir)
+    critic_mesh = build_mesh(config.parallel, dist, ranks=CRITIC_RANKS)
+    actor_group = torch_dist.new_group([0, 1])
+    out: dict = {"in_critic": critic_mesh is not None}
+    if critic_mesh is None:
+        total = torch.zeros(1)
+        for _ in range(20):
+            step = torch.ones(1)
+            torch_dist.all_reduce(step, group=actor_group)
+            total += step
+        out["actor_sum"] = float(total)
+    else:
+        out["refused"] = {}
+        for backend in ("megatron", "veomni"):
+            try:
+                build_engine(backend, config, dist, mesh=critic_mesh).close()
+            except ValueError as err:
+                out["refused"][backend] = str(err)
+        engine = build_engine("fsdp", config, dist, mesh=critic_mesh)
+        data = torch.load(batch_file)
+        mine = torch.arange(engine.dp_rank, data["input_ids"].shape[0], engine.dp_size)
+        batch = RolloutBatch(*(data[k][mine] for k in FIELDS))
+        out["rows"] = mine
+        out["dp"] = (engine.dp_rank, engine.dp_size, torch_dist.get_world_size(engine.parallel.world_group))
+        out["values_before"] = engine.compute_values(batch.input_ids, batch.attention_mask)
+        out["metrics"] = engine.update(batch)
+        out["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask)
+        engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
+        engine.export_hf(os.path.join(out_dir, "export"))
+        engine.update(batch)  # moves the weights on; the checkpoint brings them back
+        engine.load_checkpoint(os.path.join(out_dir, "checkpoint"))
+        out["values_loaded"] = engine.compute_values(batch.input_ids, batch.attention_mask)
+        engine.close()
+    torch.save(out, os.path.join(out_dir, f"rank{dist.rank}.pt"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
