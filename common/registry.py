@@ -81,7 +81,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
         parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context"}),
-        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "lora.rank"}),
+        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank"}),
         launcher=".backends.megatron.train",
         # The two processes of the default job split every layer (a data-parallel degree of 1).
         job_defaults=("engine.parallel.tensor=2", "trainer.run_dir=outputs/megatron-default"),

@@ -1,7 +1,8 @@
-"""The model-transform stage (common/transforms.py) on the FSDP2-based engines: transforms rewrite
-the critic between load and parallelise, optimizers step the trainable parameters only, the
-fingerprint records the transforms, and export_hf writes a plain critic (what a transform added is
-folded back) whose values are the engine's."""
+"""The model-transform stage (common/transforms.py) on every backend: transforms rewrite the critic
+between load and parallelise, optimizers step the trainable parameters only, the fingerprint
+records the transforms, and export_hf writes a plain critic (what a transform added is folded
+back) whose values are the engine's. On megatron the converted module follows what the transforms
+froze; a transform that adds a parameter is refused there by name, before anything is built."""
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ RUNS = {  # name -> (backend, ranks, transforms)
     "fsdp-1-freeze": ("fsdp", 1, "freeze_backbone"),
     "fsdp-2-freeze-scaled": ("fsdp", 2, "freeze_backbone,scaled_head"),
     "veomni-2-freeze-scaled": ("veomni", 2, "freeze_backbone,scaled_head"),  # VeOmni loads what it adds by name
+    "megatron-2-freeze": ("megatron", 2, "freeze_backbone"),
 }
+HEAD = {"fsdp": {"score.weight", "score.bias"}, "veomni": {"score.weight", "score.bias"},
+        "megatron": {"module.output_layer.weight", "module.output_layer.bias"}}  # under megatron's DDP
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +36,12 @@ def run(request, model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp(request.param)
     run_torchrun(ranks, "critic_adapters.tests.transform_worker", model_dir, str(work), transforms, backend,
                  env=worker_env(PYTHONWARNINGS="ignore"))
-    return transforms.split(","), work, torch.load(work / "result.pt")
+    return transforms.split(","), work, dict(torch.load(work / "result.pt"), backend=backend)
 
 
 def test_only_the_trainable_parameters_are_optimized_and_change(run):
     transforms, _, result = run
-    head = {"score.weight", "score.bias"} | ({"score.scale"} if "scaled_head" in transforms else set())
+    head = HEAD[result["backend"]] | ({"score.scale"} if "scaled_head" in transforms else set())
     assert set(result["trainable"]) == head
     assert result["optimized"] == len(head)
     for name, before in result["before"].items():
@@ -57,8 +61,22 @@ def test_the_export_is_the_plain_critic_with_the_engine_values(run):
     model, info = AutoModelForTokenClassification.from_pretrained(str(work / "hf_export"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     batch = rollout(0)
-    got = compute_values(model, batch.input_ids, batch.attention_mask)
+    with torch.no_grad():
+        got = compute_values(model, batch.input_ids, batch.attention_mask)
     assert float((got - result["values"]).abs()[batch.attention_mask.bool()].max()) <= 1e-5
+
+
+def test_megatron_refuses_a_transform_that_adds_a_parameter_before_building(model_dir):
+    from critic_adapters.common.config import EngineConfig, ModelConfig
+    from critic_adapters.common.registry import check_layout
+    from critic_adapters.tests.transforms_for_tests import register_test_transforms
+
+    register_test_transforms()
+    config = EngineConfig(model=ModelConfig(path=model_dir), transforms=["freeze_embeddings", "scaled_head"])
+    with pytest.raises(ValueError, match=r"engine\.transforms names \['scaled_head'\], which add or rename "
+                                         r"parameters: the megatron backend"):
+        check_layout("megatron", config, 2)
+    check_layout("megatron", EngineConfig(model=ModelConfig(path=model_dir), transforms=["freeze_embeddings"]), 2)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: 
     """The BackendSpec hook (common/registry.py): what check_megatron_config refuses, before any
     process starts (the launcher's and dry run's check)."""
     check_megatron_config(hf_config, config.parallel, world_size)
+    check_megatron_transforms(config.transforms)
     if config.lora.rank:
         check_megatron_targets(config.lora.target_modules)
 
@@ -109,6 +110,19 @@ def check_megatron_targets(target_modules) -> None:
     if other:
         raise ValueError(f"engine.lora.target_modules names {other}: the megatron backend adapts only "
                          f"{', '.join(MEGATRON_LORA_TARGETS)}; use backend=fsdp for other modules")
+
+
+def check_megatron_transforms(names) -> None:
+    """engine.transforms on megatron: transforms that only freeze parameters. The critic is converted
+    to megatron's module by parameter name (convert.py), so a transform that adds or renames
+    parameters (one with `to_plain`) has no megatron form; LoRA has its own (lora.py)."""
+    from ...common.transforms import resolve_transforms
+
+    rewriting = [name for name, t in zip(names, resolve_transforms(names)) if t.to_plain is not None]
+    if rewriting:
+        raise ValueError(f"engine.transforms names {rewriting}, which add or rename parameters: the megatron backend "
+                         f"converts the HF critic's parameters by name and takes transforms that only freeze "
+                         f"(freeze_embeddings, freeze_backbone, ...); use backend fsdp or veomni for this one")
 
 
 def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu: bool):

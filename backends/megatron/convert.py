@@ -162,6 +162,23 @@ def load_into(model: torch.nn.Module, mcore_state: dict[str, torch.Tensor]) -> N
     assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
 
 
+def follow_frozen(model: torch.nn.Module, critic: torch.nn.Module, traits: FamilyTraits, layout: Layout) -> None:
+    """Freeze each of this stage's converted megatron parameters whose HF sources the transforms
+    froze (freeze_embeddings, freeze_backbone, LoRA's frozen base); ValueError when a fused megatron
+    tensor (qkv, gate_up) has frozen and trainable sources, which cannot be split."""
+    from ...common.lora import base_state
+
+    trainable = base_state({name: p.requires_grad for name, p in critic.named_parameters()})
+    params = dict(model.named_parameters())
+    for mc_name, (_, hf_names) in stage_map(traits, layout).items():
+        flags = {trainable[name] for name in hf_names if name in trainable}
+        if len(flags) > 1:
+            raise ValueError(f"the transforms freeze some of {list(hf_names)} but not all; megatron fuses them into "
+                             f"{mc_name}, which trains as a whole: freeze all of them or none")
+        if mc_name in params and flags == {False}:
+            params[mc_name].requires_grad_(False)
+
+
 # -- back to HF --------------------------------------------------------------------------------------
 def _unshard(kind: str, shards: list[torch.Tensor], s: Shapes, name: str) -> list[torch.Tensor]:
     if kind == "replicated":

@@ -25,7 +25,7 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
 
     from . import checkpoint, compat, convert, parallelize
     from . import lora as megatron_lora
-    from .config import check_megatron_config, check_megatron_targets, transformer_config
+    from .config import check_megatron_config, check_megatron_targets, check_megatron_transforms, transformer_config
     from .inputs import model_inputs
     from .value_model import build_value_model, te_available
 from ...common.batching import MicroBatch
@@ -73,11 +73,13 @@ class MegatronCriticEngine:
             init_from_scalar_head=model_cfg.init_from_scalar_head)
         self.hf_config = critic.config
         self.critic_class = type(critic)
-        # LoRA (the only transform this backend takes: engine.transforms is refused by key) is applied
-        # to the HF critic first, with peft's init from the engine's seed (the same on every rank),
-        # adapter_path loaded, then converted into megatron's adapters (lora.py).
+        # The transforms rewrite the HF critic first (pipeline order: engine.transforms, then LoRA,
+        # with peft's init from the engine's seed, the same on every rank); the megatron module then
+        # follows: LoRA becomes megatron's adapters (lora.py), and each megatron parameter is frozen
+        # where the transforms froze its HF sources (convert.follow_frozen).
         self.transforms = engine_transforms(config)
         if self.transforms:
+            check_megatron_transforms(config.transforms)
             check_megatron_targets(config.lora.target_modules)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(config.seed)
@@ -126,6 +128,8 @@ class MegatronCriticEngine:
             megatron_lora.inject(model, config.lora, self.hf_config, tp, config.parallel.sequence_parallel)
             mcore_state.update(megatron_lora.hf_to_megatron(hf_state, config.lora, self.layout))
         convert.load_into(model, mcore_state)
+        if self.transforms:
+            convert.follow_frozen(model, critic, self.traits, self.layout)
         model.to(dist.device)
         self.model = parallelize.wrap_ddp(model, self.tf_config)
         bf16 = self.tf_config.bf16
