@@ -44,6 +44,7 @@ from typing import Protocol
 import torch
 
 from .distributed import all_reduce
+from .loss import shift_to_tokens  # noqa: F401 - part of the engine API (the loss's alignment)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,7 +216,3 @@ def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                          f"fix the rollout data (no update was made)")
 
 
-def shift_to_tokens(values: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] values (or head outputs) at positions -> predictions for tokens:
-    pred[:, t] = values[:, t - 1], pred[:, 0] = 0."""
-    return torch.cat([values.new_zeros(values.shape[0], 1, *values.shape[2:]), values[:, :-1]], dim=1)

@@ -52,7 +52,8 @@ from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .registry import check_engine_config
 from .shard_state import gather_full_state
-from .transforms import engine_transforms, export_state_dict, trainable_parameters, transform_names
+from .pipeline import engine_transforms
+from .transforms import export_state_dict, trainable_parameters, transform_names
 from .update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from .valuehead import save_critic
 from .valuehead.attention import flash_attention_available

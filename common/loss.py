@@ -165,3 +165,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
     residual = r - values[mask].double()
     return explained_variance_from_sums(r.numel(), float(r.sum()), float((r * r).sum()),
                                         float(residual.sum()), float((residual * residual).sum()))
+
+
+def shift_to_tokens(values: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] values (or head outputs) at positions -> predictions for tokens:
+    pred[:, t] = values[:, t - 1], pred[:, 0] = 0."""
+    return torch.cat([values.new_zeros(values.shape[0], 1, *values.shape[2:]), values[:, :-1]], dim=1)

@@ -11,10 +11,10 @@ transform first, so `export_hf` always writes a plain *ForTokenClassification. T
 fingerprint records the transforms and which parameters they left trainable
 (common.checkpoints.critic_fingerprint).
 
-engine.transforms names them, in order; `register_transform(name, transform)` adds one.
-`engine_transforms(config)` is what an engine applies: those, then LoRA when engine.lora.rank > 0
-(common/lora.py). Wherever a list of transforms is taken, an item is a registered name or a
-ModelTransform itself.
+engine.transforms names them, in order; `register_transform(name, transform)` adds one. What an
+engine applies, in which order, is common.pipeline.engine_transforms (LoRA, common/lora.py, is one
+of them). Wherever a list of transforms is taken, an item is a registered name or a ModelTransform
+itself. This module imports no transform's implementation: lora.py imports it, not the reverse.
 """
 
 from __future__ import annotations
@@ -71,17 +71,6 @@ def check_transforms(names) -> None:
     if unknown:
         raise ValueError(f"engine.transforms names {unknown}, which are not registered; available: "
                          f"{', '.join(sorted(TRANSFORMS))}")
-
-
-def engine_transforms(config) -> list:
-    """The transforms an engine with EngineConfig `config` applies: engine.transforms in order, then
-    LoRA when engine.lora.rank > 0."""
-    items = list(config.transforms)
-    if config.lora.rank:
-        from .lora import lora_transform
-
-        items.append(lora_transform(config.lora))
-    return items
 
 
 def resolve_transforms(items) -> list[ModelTransform]:

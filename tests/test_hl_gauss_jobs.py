@@ -1,6 +1,9 @@
 """The training job with an HL-Gauss critic (`engine.loss.kind=hl_gauss`) through each backend's
-launcher, on 2 gloo processes: the default job learns, a run killed after a checkpoint resumes to
-bit-identical weights, and resuming it as a scalar (mse) critic is refused naming the key."""
+launcher, on 2 gloo processes: the default job learns; a run killed after a checkpoint resumes to
+bit-identical weights, and resuming it as a scalar (mse) critic is refused naming the key. The
+killed run is a LoRA critic with the HL-Gauss head (engine.lora.rank=16, as tests/test_lora_jobs.py
+trains): one kill and resume per backend checks both features' checkpoints (for LoRA, only the
+adapters, the head and their optimizer state)."""
 
 import os
 
@@ -38,8 +41,8 @@ def test_the_default_job_learns_with_an_hl_gauss_critic(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_killed_hl_gauss_run_resumes_to_identical_weights(backend, tmp_path):
-    args = ("--nproc", "2", *HL_GAUSS, *SHORT_JOB)
+def test_a_killed_hl_gauss_lora_run_resumes_to_identical_weights(backend, tmp_path):
+    args = ("--nproc", "2", *HL_GAUSS, "engine.lora.rank=16", *SHORT_JOB)
 
     def refuses_resuming_as_mse(killed):  # one line naming the key, nothing written
         before = sorted(os.listdir(killed / "checkpoints"))
@@ -48,8 +51,9 @@ def test_a_killed_hl_gauss_run_resumes_to_identical_weights(backend, tmp_path):
         assert "engine.loss.kind: 'hl_gauss' in the run, 'mse' now" in refused.stderr, refused.stderr[-2000:]
         assert sorted(os.listdir(killed / "checkpoints")) == before
 
-    assert_killed_run_resumes_identically(_module(backend), tmp_path, *args,
-                                          before_resume=refuses_resuming_as_mse if backend == "fsdp" else None)
+    result = assert_killed_run_resumes_identically(_module(backend), tmp_path, *args,
+                                                   before_resume=refuses_resuming_as_mse if backend == "fsdp" else None)
+    assert "parameters: 36,083 trainable of 174,387" in result.stdout, result.stdout[:2000]  # LoRA + a 51-bin head
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from .sharded_load import load_sharded_critic
 from ...common.fsdp2_core import DTYPES, FSDP2Engine, attention_for
 from ...common.mesh import ParallelMesh, build_mesh
 from ...common.schedule import build_scheduler
-from ...common.transforms import apply_transforms, engine_transforms, trainable_parameters
+from ...common.pipeline import engine_transforms
+from ...common.transforms import apply_transforms, trainable_parameters
 
 
 class FSDPCriticEngine(FSDP2Engine):

@@ -38,7 +38,8 @@ from ...common.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.registry import check_engine_config
 from ...common.update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
 from ...common.lora import base_state, injected_names, write_adapter
-from ...common.transforms import apply_transforms, engine_transforms, export_state_dict, transform_names
+from ...common.pipeline import engine_transforms
+from ...common.transforms import apply_transforms, export_state_dict, transform_names
 from ...common.valuehead import load_critic
 from ...common.valuehead.config import head_name
 from ...common.valuehead.load import plan_load

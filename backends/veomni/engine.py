@@ -29,7 +29,8 @@ from .quiet import veomni_output
 from ...common.distributed import barrier, broadcast_object
 from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
 from ...common.mesh import DATA, ULYSSES, ParallelMesh, check_spans_world, mesh_sizes
-from ...common.transforms import apply_transforms, engine_transforms, resolve_transforms
+from ...common.pipeline import engine_transforms
+from ...common.transforms import apply_transforms, resolve_transforms
 from ...common.valuehead.config import install_value_head
 from ...common.valuehead.load import plan_load
 

@@ -116,7 +116,7 @@ def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> No
             raise CriticLoadError(f"--tokens must be ids in [0, {vocab}); got {tokens!r}")
     else:
         ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(seed))
-    from ..engine import shift_to_tokens
+    from ..loss import shift_to_tokens
     from .values import compute_values
 
     with torch.no_grad():
@@ -154,7 +154,7 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     from tqdm import tqdm
 
     from ..data import read_records, validate_records
-    from ..engine import shift_to_tokens
+    from ..loss import shift_to_tokens
     from .values import compute_values
 
     if not out.endswith(".parquet"):

@@ -381,7 +381,7 @@ def load_critic(
     else:
         head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
     if adapter_path is not None:
-        from ..lora import merge_adapter
+        from .adapter import merge_adapter
 
         try:
             merge_adapter(model, os.fspath(adapter_path))

@@ -1,8 +1,9 @@
 """Our critic in verl 0.9.1's engine slot, driven by verl's own TrainingWorker (no Ray, CPU, fp32)
-in the verl overlay (tools/setup.sh: .overlays/verl-0.9.1, transformers 5.10.4), one process per
-check (verl_worker.py): values equal our compute_values, one update equals verl's own fsdp2
-value-model engine on the same weights, a checkpoint resumes bit-identically, and critics from
-other formats train there with their heads."""
+in the verl overlay (tools/setup.sh: .overlays/verl-0.9.1, transformers 5.10.4), in verl_worker.py
+processes (the one-process checks batched into two processes, the multi-process ones one torchrun
+each): values equal our compute_values, one update equals verl's own fsdp2 value-model engine on
+the same weights, a checkpoint resumes bit-identically, and critics from other formats train there
+with their heads."""
 
 import os
 import subprocess
@@ -92,10 +93,22 @@ PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp", 2), ("megat
 PEERS = ("-tp2", "-sp2", "-cp2")  # model-parallel peers: verl collects outputs from the first rank of each
 
 
-def run_parity(backend: str, processes: int, critic_dir: str, tmp_path) -> list[dict]:
+@pytest.fixture(scope="module")
+def single_process_parity(critic_dir, tmp_path_factory) -> dict:
+    """The one-process parity runs, every backend's one after another in one verl-overlay process
+    (one interpreter start for the three): {backend: its result}."""
+    import json
+
+    backends = [backend for backend, processes in PARITY_RUNS if processes == 1]
+    results = run_check("batch", tmp_path_factory.mktemp("parity"),
+                        json.dumps([["parity", critic_dir, backend] for backend in backends]))
+    return dict(zip(backends, results))
+
+
+def run_parity(backend: str, processes: int, critic_dir: str, tmp_path, request) -> list[dict]:
     """verl_worker parity on each process: the per-rank results."""
     if processes == 1:
-        return [run_check("parity", tmp_path, critic_dir, backend)]
+        return [request.getfixturevalue("single_process_parity")[backend]]
     out = tmp_path / "parity.pt"
     command = torchrun_command(processes, "critic_adapters.tests.verl.verl_worker", "parity", str(out), critic_dir,
                                backend)
@@ -105,9 +118,9 @@ def run_parity(backend: str, processes: int, critic_dir: str, tmp_path) -> list[
 
 
 @pytest.mark.parametrize("backend,processes", PARITY_RUNS, ids=[f"{b}-{n}" for b, n in PARITY_RUNS])
-def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic_dir, tmp_path):
+def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic_dir, tmp_path, request):
     checked = 0
-    for result in run_parity(backend, processes, critic_dir, tmp_path):
+    for result in run_parity(backend, processes, critic_dir, tmp_path, request):
         ours, verls = result[backend], result["verl-fsdp2"]
         if ours["before"] is None:  # a TP / Ulysses peer: verl collects outputs from its first rank only
             assert backend.endswith(PEERS) and ours["metrics"] is None
@@ -140,8 +153,42 @@ def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic
     assert checked == processes // (2 if backend.endswith(PEERS) else 1)
 
 
-def test_a_checkpoint_saved_through_verl_resumes_bit_identically(critic_dir, tmp_path):
-    result = run_check("resume", tmp_path, critic_dir, "fsdp", str(tmp_path))
+def readme_verl_section() -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    return text[text.index("## In verl"):].split("\n## ", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def single_process_checks(critic_dir, tmp_path_factory):
+    """The one-process checks that need no engine of their own but fsdp's (resume, formats, the
+    config mappings), run one after another in one verl-overlay process: {check: its result}."""
+    import json
+    import re
+
+    tmp_path = tmp_path_factory.mktemp("verl_checks")
+    fixtures = {"trl": build.trl_value_head(str(tmp_path / "formats")),
+                "openrlhf": build.openrlhf(str(tmp_path / "formats")),
+                "megatron": build.megatron_export(str(tmp_path / "formats"))}
+    section = readme_verl_section()
+    path = [f"critic.model.path={critic_dir}", "critic.ppo_micro_batch_size_per_gpu=2"]
+    (snippet,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    (tmp_path / "critic.yaml").write_text(snippet)
+    overrides = re.findall(r"`(\+?critic\.[\w.]+=[^`\s]+)`", section)
+    assert len(overrides) == 4, overrides
+    checks = {"resume": ["resume", critic_dir, "fsdp", str(tmp_path)],
+              "formats": ["formats", *(p for p, _ in fixtures.values())],
+              "yaml": ["yaml", str(tmp_path / "critic.yaml"), *path],
+              "command line": ["yaml", "-", *overrides, *path],
+              "config": ["config", critic_dir]}
+    results = run_check("batch", tmp_path, json.dumps(list(checks.values())))
+    out = dict(zip(checks, results))
+    out["fixtures"] = fixtures
+    return out
+
+
+def test_a_checkpoint_saved_through_verl_resumes_bit_identically(single_process_checks):
+    result = single_process_checks["resume"]
     (continued_metrics, continued_values), (resumed_metrics, resumed_values) = result["continued"], result["resumed"]
     assert torch.equal(continued_values, resumed_values)
     for key in ("critic/vf_loss", "grad_norm", "critic/vpred_mean"):
@@ -149,12 +196,10 @@ def test_a_checkpoint_saved_through_verl_resumes_bit_identically(critic_dir, tmp
     assert "critic_checkpoint.json" in result["files"]  # our engine's checkpoint, where verl asked for it
 
 
-def test_critics_of_other_formats_train_there_with_their_heads(tmp_path):
-    root = str(tmp_path / "formats")
-    fixtures = {"trl": build.trl_value_head(root), "openrlhf": build.openrlhf(root), "megatron": build.megatron_export(root)}
-    result = run_check("formats", tmp_path, *(path for path, _ in fixtures.values()))
+def test_critics_of_other_formats_train_there_with_their_heads(single_process_checks):
+    result = single_process_checks["formats"]
     mask = result["response_mask"].bool()
-    for name, (path, _) in fixtures.items():
+    for name, (path, _) in single_process_checks["fixtures"].items():
         entry = result[os.path.basename(path)]
         # The head was loaded, not re-initialised: verl's values are the checkpoint's own (our loader's).
         assert torch.allclose(entry["verl"][mask], entry["ours"][mask], atol=1e-6), name
@@ -163,36 +208,21 @@ def test_critics_of_other_formats_train_there_with_their_heads(tmp_path):
         assert not torch.allclose(entry["after"][mask], entry["verl"][mask], atol=1e-4), name  # it trained
 
 
-def readme_verl_section() -> str:
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    return text[text.index("## In verl"):].split("\n## ", 1)[0]
-
-
 @pytest.mark.parametrize("form", ["yaml", "command line"])
-def test_the_readmes_verl_keys_reach_the_engine_through_verls_own_config(form, critic_dir, tmp_path):
+def test_the_readmes_verl_keys_reach_the_engine_through_verls_own_config(form, critic_dir, single_process_checks):
     """The README's YAML snippet and its command-line overrides, on verl's ppo_trainer.yaml composed
     by hydra and built as verl's trainer builds its critic config."""
-    import re
-
-    section = readme_verl_section()
-    path = [f"critic.model.path={critic_dir}", "critic.ppo_micro_batch_size_per_gpu=2"]
+    result = single_process_checks[form]
     if form == "yaml":
-        (snippet,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
-        (tmp_path / "critic.yaml").write_text(snippet)
-        result = run_check("yaml", tmp_path, str(tmp_path / "critic.yaml"), *path)
         assert result["backend"] == "fsdp" and result["batching"]["micro_batch_tokens"] == 8192
     else:
-        overrides = re.findall(r"`(\+?critic\.[\w.]+=[^`\s]+)`", section)
-        assert len(overrides) == 4, overrides
-        result = run_check("yaml", tmp_path, "-", *overrides, *path)
         assert result["backend"] == "megatron" and result["parallel"]["tensor"] == 2
     assert result["strategy"] == result["engine_strategy"] == "critic_adapters"
     assert result["engine_config"] == "CriticAdaptersEngineConfig" and result["path"] == critic_dir
 
 
-def test_the_engine_config_maps_verls_keys_and_refuses_what_does_not_fit(critic_dir, tmp_path):
-    result = run_check("config", tmp_path, critic_dir)
+def test_the_engine_config_maps_verls_keys_and_refuses_what_does_not_fit(critic_dir, single_process_checks):
+    result = single_process_checks["config"]
     mapped = result["mapped"]
     assert mapped["backend"] == "megatron" and mapped["path"] == critic_dir
     assert mapped["optim"] == {"lr": 3e-4, "weight_decay": 0.05, "betas": [0.9, 0.95], "grad_clip": 0.5,

@@ -13,6 +13,8 @@ CHECK:
                              and our compute_values; one training step
   config MODEL_DIR           verl's configs mapped onto ours, and the settings that are refused
   yaml FILE|- OVERRIDES...   verl's ppo_trainer.yaml through hydra with a YAML snippet and overrides
+  batch JSON                 several of the checks above in this one process, one after another
+                             (JSON: a list of [CHECK, ARGS...]); a list of their results
 Writes a torch.save'd dict to OUT_FILE (under torchrun, each rank to OUT_FILE.rank<r>: its share of
 the batch, as verl's dispatch splits it over the data-parallel ranks).
 
@@ -325,9 +327,17 @@ def yaml(readme_yaml: str, *overrides: str) -> dict:
             "path": mapped.model.path}
 
 
+CHECKS = {"parity": parity, "resume": resume, "formats": formats, "config": config, "yaml": yaml}
+
+
 def main():
     check, out_file, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    result = {"parity": parity, "resume": resume, "formats": formats, "config": config, "yaml": yaml}[check](*args)
+    if check == "batch":  # one interpreter start (torch, transformers, verl) for several checks
+        import json
+
+        result = [CHECKS[name](*rest) for name, *rest in json.loads(args[0])]
+    else:
+        result = CHECKS[check](*args)
     torch.save(result, out_file if WORLD == 1 else f"{out_file}.rank{RANK}")
     torch.distributed.destroy_process_group()
 
