@@ -60,15 +60,29 @@ def references(checkpoints):
     return refs, mask.bool()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_values_match_the_hf_critic(layout, checkpoints, references, tmp_path):
-    nproc, spec, tolerance = LAYOUTS[layout]
+@pytest.fixture(scope="module")
+def layout_values(checkpoints, tmp_path_factory) -> dict:
+    """{layout: {checkpoint: values}}: every layout of one process count in one torchrun (engines one
+    after another), the negative control ("naive_qkv", one process) with the one-process layouts."""
     import json
 
-    out = tmp_path / "values.pt"
-    run_torchrun(nproc, "critic_adapters.backends.megatron.tests.values_worker", str(out), json.dumps(spec), *checkpoints.values(),
-                 timeout=600)
-    results = torch.load(out)
+    root = tmp_path_factory.mktemp("values")
+    out = {}
+    for nproc in sorted({n for n, _, _ in LAYOUTS.values()}):
+        layouts = {name: spec for name, (n, spec, _) in LAYOUTS.items() if n == nproc}
+        if nproc == 1:
+            layouts["naive_qkv"] = {"naive_qkv": True}
+        path = root / f"values{nproc}.pt"
+        run_torchrun(nproc, "critic_adapters.backends.megatron.tests.values_worker", str(path), json.dumps(layouts),
+                     *checkpoints.values(), timeout=600)
+        out.update(torch.load(path))
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_values_match_the_hf_critic(layout, checkpoints, references, layout_values):
+    _, _, tolerance = LAYOUTS[layout]
+    results = layout_values[layout]
     refs, mask = references
     for name, path in checkpoints.items():
         diff = float((results[path] - refs[name]).abs()[mask].max())
@@ -77,15 +91,11 @@ def test_values_match_the_hf_critic(layout, checkpoints, references, tmp_path):
         assert float(refs[name][mask].std()) > 1e-2
 
 
-def test_negative_control_naive_qkv_fusion(checkpoints, references, tmp_path):
+def test_negative_control_naive_qkv_fusion(checkpoints, references, layout_values):
     """The comparison can fail: fusing q, k, v without grouping per KV head gives a large difference."""
-    import json
-
-    out = tmp_path / "values.pt"
     path = checkpoints["tokcls-qwen2"]
-    run_torchrun(1, "critic_adapters.backends.megatron.tests.values_worker", str(out), json.dumps({"naive_qkv": True}), path)
     refs, mask = references
-    diff = float((torch.load(out)[path] - refs["tokcls-qwen2"]).abs()[mask].max())
+    diff = float((layout_values["naive_qkv"][path] - refs["tokcls-qwen2"]).abs()[mask].max())
     assert diff > 1e-2, f"a wrong QKV layout went unnoticed (diff {diff})"
 
 
