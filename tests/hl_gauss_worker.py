@@ -1,6 +1,7 @@
 """torchrun worker for test_hl_gauss: an HL-Gauss critic on one backend, on 1 or 2 ranks.
 
-  python -m critic_adapters.tests.hl_gauss_worker MODEL_DIR WORKDIR BACKEND [TENSOR]
+  python -m critic_adapters.tests.hl_gauss_worker MODEL_DIR (WORKDIR BACKEND TENSOR)...
+One run per (WORKDIR, BACKEND, TENSOR) group, one after another in this process.
 The engine starts from MODEL_DIR's scalar head (engine.model.init_from_scalar_head), so its head is
 not trivial. Every data-parallel rank trains on its own rollout (conformance.worker.rollout). Rank 0
 writes WORKDIR/result.pt: values right after building and after one update, that update's metrics,
@@ -14,7 +15,7 @@ import sys
 import warnings
 
 from critic_adapters.common.config import EngineConfig, HLGaussConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transform_worker import finish
@@ -31,9 +32,15 @@ def engine_config(model_dir: str, tensor: int = 1) -> EngineConfig:
 
 def main():
     warnings.filterwarnings("ignore")
-    model_dir, workdir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
-    tensor = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    model_dir, runs = sys.argv[1], sys.argv[2:]
     dist = init_distributed()
+    for start in range(0, len(runs), 3):
+        workdir, backend, tensor = runs[start:start + 3]
+        run(dist, model_dir, workdir, backend, int(tensor))
+    shutdown()
+
+
+def run(dist, model_dir: str, workdir: str, backend: str, tensor: int) -> None:
     config = engine_config(model_dir, tensor)
     batch = rollout(dist.rank // tensor)  # one rollout per data-parallel rank
     engine = build_engine(backend, config, dist)
@@ -61,7 +68,7 @@ def main():
     scalar.close()
     finish(engine, dist, workdir, {"values_before": values_before, "values_after": values_after, "metrics": metrics,
                                    "next": (next_metrics, next_values), "resumed": (resumed_metrics, resumed_values),
-                                   "scalar_error": scalar_error})
+                                   "scalar_error": scalar_error}, leave=False)
 
 
 if __name__ == "__main__":

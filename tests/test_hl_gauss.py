@@ -34,13 +34,17 @@ _DONE: dict[str, tuple] = {}
 
 
 def _run_once(name, base_dir, tmp_path_factory):
-    """(data-parallel ranks, workdir, result) of hl_gauss_worker run RUNS[name], once per module."""
+    """(data-parallel ranks, workdir, result) of run RUNS[name]: the first call runs every run of the
+    same process count in one hl_gauss_worker torchrun, once per module."""
     if name not in _DONE:
-        backend, ranks, tensor = RUNS[name]
-        work = tmp_path_factory.mktemp(name)
-        run_torchrun(ranks, "critic_adapters.tests.hl_gauss_worker", base_dir, str(work), backend, str(tensor),
+        ranks = RUNS[name][1]
+        group = [other for other, (_, n, _) in sorted(RUNS.items()) if n == ranks]
+        works = {other: tmp_path_factory.mktemp(other) for other in group}
+        args = [str(arg) for other in group for arg in (works[other], RUNS[other][0], RUNS[other][2])]
+        run_torchrun(ranks, "critic_adapters.tests.hl_gauss_worker", base_dir, *args,
                      env=worker_env(PYTHONWARNINGS="ignore"))
-        _DONE[name] = ranks // tensor, work, torch.load(work / "result.pt")
+        for other in group:
+            _DONE[other] = ranks // RUNS[other][2], works[other], torch.load(works[other] / "result.pt")
     return _DONE[name]
 
 

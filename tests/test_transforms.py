@@ -30,13 +30,24 @@ def model_dir(tmp_path_factory):
     return save_tiny_causal_lm("qwen2", str(tmp_path_factory.mktemp("transforms") / "model"))
 
 
+_DONE: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def run(request, model_dir, tmp_path_factory):
-    backend, ranks, transforms = RUNS[request.param]
-    work = tmp_path_factory.mktemp(request.param)
-    run_torchrun(ranks, "critic_adapters.tests.transform_worker", model_dir, str(work), transforms, backend,
-                 env=worker_env(PYTHONWARNINGS="ignore"))
-    return transforms.split(","), work, dict(torch.load(work / "result.pt"), backend=backend)
+    """(transforms, workdir, result) of RUNS[name]; the first one of a process count runs all of that
+    count in one transform_worker torchrun."""
+    if request.param not in _DONE:
+        ranks = RUNS[request.param][1]
+        group = [name for name, (_, n, _) in sorted(RUNS.items()) if n == ranks]
+        works = {name: tmp_path_factory.mktemp(name) for name in group}
+        args = [str(a) for name in group for a in (works[name], RUNS[name][2], RUNS[name][0])]
+        run_torchrun(ranks, "critic_adapters.tests.transform_worker", model_dir, *args,
+                     env=worker_env(PYTHONWARNINGS="ignore"))
+        for name in group:
+            backend, _, transforms = RUNS[name]
+            _DONE[name] = transforms.split(","), works[name], dict(torch.load(works[name] / "result.pt"), backend=backend)
+    return _DONE[request.param]
 
 
 def test_only_the_trainable_parameters_are_optimized_and_change(run):

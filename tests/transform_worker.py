@@ -1,6 +1,7 @@
 """torchrun worker for test_transforms: an FSDP engine with transforms, on 1 or 2 ranks.
 
-  python -m critic_adapters.tests.transform_worker MODEL_DIR WORKDIR TRANSFORM[,TRANSFORM...]
+  python -m critic_adapters.tests.transform_worker MODEL_DIR (WORKDIR TRANSFORM[,TRANSFORM...] BACKEND)...
+One run per group, one after another in this process.
 Rank 0 writes WORKDIR/result.pt: optimizer parameter count, trainable names, parameters before and
 after one update (full tensors), the fingerprint, the engine's values; the HF export goes to
 WORKDIR/hf_export.
@@ -26,17 +27,24 @@ def full(t):
 
 def main():
     warnings.filterwarnings("ignore")
-    model_dir, workdir, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    model_dir, runs = sys.argv[1], sys.argv[2:]
     register_test_transforms()
     dist = init_distributed()
+    for start in range(0, len(runs), 3):
+        workdir, names, backend = runs[start:start + 3]
+        run(dist, model_dir, workdir, names.split(","), backend)
+    shutdown()
+
+
+def run(dist, model_dir: str, workdir: str, names: list[str], backend: str) -> None:
     config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-2), transforms=names)
-    engine = build_engine(sys.argv[4] if len(sys.argv) > 4 else "fsdp", config, dist)
+    engine = build_engine(backend, config, dist)
     before = parameters(engine)
     engine.update(rollout(dist.rank))
     after = parameters(engine)
     values = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     engine.export_hf(os.path.join(workdir, "hf_export"))
-    finish(engine, dist, workdir, {"before": before, "after": after, "values": values})
+    finish(engine, dist, workdir, {"before": before, "after": after, "values": values}, leave=False)
 
 
 def parameters(engine) -> dict:
@@ -44,16 +52,17 @@ def parameters(engine) -> dict:
     return {n: full(p) for n, p in engine.model.named_parameters()}
 
 
-def finish(engine, dist, workdir: str, result: dict) -> None:
+def finish(engine, dist, workdir: str, result: dict, *, leave: bool = True) -> None:
     """Add what the optimizer steps, the trainable names and the fingerprint; close the engine; rank 0
-    writes WORKDIR/result.pt; leave the process group."""
+    writes WORKDIR/result.pt; leave the process group (unless `leave` is false: more runs follow)."""
     result.update(optimized=sum(len(g["params"]) for g in engine.optimizer.param_groups),
                   trainable=sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
                   fingerprint=engine.fingerprint)
     engine.close()
     if dist.is_main:
         torch.save(result, os.path.join(workdir, "result.pt"))
-    shutdown()
+    if leave:
+        shutdown()
 
 
 if __name__ == "__main__":
