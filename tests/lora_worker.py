@@ -1,8 +1,9 @@
 """torchrun worker for test_lora: a LoRA critic on the FSDP engine, on 1 or 2 ranks.
 
-  python -m critic_adapters.tests.lora_worker MODEL_DIR WORKDIR BACKEND [TENSOR[sp] [ADAPTER_DIR]]
-TENSOR: engine.parallel.tensor (megatron), "TxP" with pipeline P, an "sp" suffix for sequence parallel; ADAPTER_DIR: engine.lora.adapter_path (a peft adapter to
-start from).
+  python -m critic_adapters.tests.lora_worker MODEL_DIR (WORKDIR BACKEND TENSOR[sp] ADAPTER_DIR)...
+One run per group of four, one after another in this process. TENSOR: engine.parallel.tensor
+(megatron), "TxP" with pipeline P, an "sp" suffix for sequence parallel; ADAPTER_DIR:
+engine.lora.adapter_path (a peft adapter to start from), "-" for none.
 Every rank trains on its own rollout (conformance.worker.rollout(rank)). Rank 0 writes
 WORKDIR/result.pt (transform_worker.finish): the values of the same engine without LoRA, right after
 building and after one update, the update's metrics, the full parameters before and after, the
@@ -19,7 +20,7 @@ import warnings
 import dataclasses
 
 from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import all_gather_object, init_distributed
+from critic_adapters.common.distributed import all_gather_object, init_distributed, shutdown
 from critic_adapters.common.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transform_worker import finish
@@ -38,12 +39,18 @@ def parameters(engine) -> dict:
 
 def main():
     warnings.filterwarnings("ignore")
-    model_dir, workdir, backend = sys.argv[1], sys.argv[2], sys.argv[3]
-    layout = sys.argv[4] if len(sys.argv) > 4 else "1"
+    model_dir, runs = sys.argv[1], sys.argv[2:]
+    dist = init_distributed()
+    for start in range(0, len(runs), 4):
+        workdir, backend, layout, adapter = runs[start:start + 4]
+        run(dist, model_dir, workdir, backend, layout, None if adapter == "-" else adapter)
+    shutdown()
+
+
+def run(dist, model_dir: str, workdir: str, backend: str, layout: str, adapter: str | None) -> None:
     tensor, _, pipeline = layout.removesuffix("sp").partition("x")
     parallel = ParallelConfig(tensor=int(tensor), pipeline=int(pipeline or 1), sequence_parallel=layout.endswith("sp"))
-    lora = dataclasses.replace(LORA, adapter_path=sys.argv[5] if len(sys.argv) > 5 else None)
-    dist = init_distributed()
+    lora = dataclasses.replace(LORA, adapter_path=adapter)
     batch = rollout(dist.rank // (parallel.tensor * parallel.pipeline))  # one rollout per data-parallel rank
     plain = build_engine(backend, EngineConfig(model=ModelConfig(path=model_dir), parallel=parallel), dist)
     values_plain = plain.compute_values(batch.input_ids, batch.attention_mask)  # the same critic, no LoRA
@@ -76,7 +83,7 @@ def main():
         "values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
         "before": before, "after": after, "counts": engine.parameter_counts(), "extra": extra,
         "checkpoint_bytes": checkpoint_bytes, "next": (next_metrics, next_values),
-        "resumed": (resumed_metrics, resumed_values)})
+        "resumed": (resumed_metrics, resumed_values)}, leave=False)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,23 @@ def model_dirs(tmp_path_factory):
 _DONE: dict[str, tuple] = {}
 
 
-def _run_once(name: str, model_dirs, tmp_path_factory, *extra: str) -> tuple:
-    """(data-parallel ranks, workdir, result) of lora_worker run RUNS[name] (once per module)."""
+def _run_once(name: str, model_dirs, tmp_path_factory, adapter: str | None = None) -> tuple:
+    """(data-parallel ranks, workdir, result) of lora_worker run RUNS[name] (once per module): the first
+    call for a RUNS entry runs every entry of its process count in one torchrun; a run from an
+    adapter (a name not in RUNS: fsdp, one process) runs alone."""
     if name not in _DONE:
-        backend, ranks, parallel = RUNS.get(name, ("fsdp", 1, "1"))
-        work = tmp_path_factory.mktemp(name)
-        run_torchrun(ranks, "critic_adapters.tests.lora_worker", model_dirs[1], str(work), backend, parallel,
-                     *extra, env=worker_env(PYTHONWARNINGS="ignore"))
-        tensor, _, pipeline = parallel.removesuffix("sp").partition("x")
-        _DONE[name] = ranks // (int(tensor) * int(pipeline or 1)), work, torch.load(work / "result.pt")  # one rollout per data-parallel rank
+        group = ([other for other, (_, n, _) in sorted(RUNS.items()) if n == RUNS[name][1]] if name in RUNS
+                 else [name])
+        specs = {other: RUNS.get(other, ("fsdp", 1, "1")) for other in group}
+        works = {other: tmp_path_factory.mktemp(other) for other in group}
+        args = [str(a) for other in group for a in (works[other], specs[other][0], specs[other][2], adapter or "-")]
+        run_torchrun(specs[name][1], "critic_adapters.tests.lora_worker", model_dirs[1], *args,
+                     env=worker_env(PYTHONWARNINGS="ignore"))
+        for other in group:
+            _, ranks, parallel = specs[other]
+            tensor, _, pipeline = parallel.removesuffix("sp").partition("x")
+            _DONE[other] = (ranks // (int(tensor) * int(pipeline or 1)), works[other],  # a rollout per data-parallel rank
+                            torch.load(works[other] / "result.pt"))
     return _DONE[name]
 
 
