@@ -22,7 +22,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import gc
-import time
 import warnings
 
 import torch
@@ -54,7 +53,7 @@ from .registry import check_engine_config
 from .shard_state import gather_full_state
 from .pipeline import engine_transforms
 from .transforms import export_state_dict, trainable_parameters, transform_names
-from .update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
+from .update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
 from .valuehead import save_critic
 from .valuehead.attention import flash_attention_available
 from .valuehead.values import compute_bin_logits, compute_values
@@ -205,17 +204,7 @@ class FSDP2Engine(abc.ABC):
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns the metrics of
         common.update_step.METRICS over the data-parallel group."""
-        start = time.perf_counter()
-        stats = self.accumulate_gradients(batch)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-        grad_norm = self._clip_and_step()
-        return stats.metrics(grad_norm=grad_norm, lr=lr, tokens=float(batch.attention_mask.sum()),
-                             seconds=time.perf_counter() - start, dp_group=self.dp_group)
-
-    def _clip_and_step(self) -> float:
-        norm = self.step_optimizer()
-        self.scheduler.step()
-        return norm
+        return one_update(self, batch, dp_group=self.dp_group)
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None

@@ -19,6 +19,7 @@ once per step, in `StepStats.metrics`. The metric names are part of the engine c
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -126,3 +127,16 @@ class StepStats:
             "tokens_per_s": reduced[-1] / seconds if seconds > 0 else float("nan"),
             "valid_tokens": g["valid"],
         }
+
+
+def one_update(engine, batch: RolloutBatch, *, dp_group, counts: bool = True) -> dict:
+    """`engine.update(batch)` for every backend: the mini-batch's gradients (engine.accumulate_gradients,
+    a StepStats), one optimizer step at the rate the schedule gives this step (engine.step_optimizer),
+    the schedule stepped, and the step's metrics over `dp_group` (`counts`: StepStats.metrics)."""
+    start = time.perf_counter()
+    stats = engine.accumulate_gradients(batch)
+    lr = engine.scheduler.get_last_lr()[0]  # the rate this step uses
+    grad_norm = engine.step_optimizer()
+    engine.scheduler.step()
+    return stats.metrics(grad_norm=grad_norm, lr=lr, tokens=float(batch.attention_mask.sum()),
+                         seconds=time.perf_counter() - start, dp_group=dp_group, counts=counts)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import time
 
 import torch
 import torch.distributed as torch_dist
@@ -36,7 +35,7 @@ from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.hl_gauss import head_values
 from ...common.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.registry import check_engine_config
-from ...common.update_step import StepStats, plan_step, step_micro_batches, whole_micro_batch
+from ...common.update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
 from ...common.lora import base_state, injected_names, write_adapter
 from ...common.pipeline import engine_transforms
 from ...common.transforms import apply_transforms, export_state_dict, transform_names
@@ -223,17 +222,9 @@ class MegatronCriticEngine:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch; returns the metrics of
         common.update_step.METRICS over all data-parallel shares."""
-        start = time.perf_counter()
-        stats = self.accumulate_gradients(batch)
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-        with compat.cuda_to_cpu():
-            _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step()
         # Each data-parallel share counted once, by its last-stage, tensor- and context-rank-0 process;
         # every rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
-        return stats.metrics(grad_norm=float(grad_norm), lr=lr, tokens=float(batch.attention_mask.sum()),
-                             seconds=time.perf_counter() - start, dp_group=self.parallel.world_group,
-                             counts=self._counts_share())
+        return one_update(self, batch, dp_group=self.parallel.world_group, counts=self._counts_share())
 
     def _counts_share(self) -> bool:
         """The one rank of each data-parallel share whose statistics count (its peers hold copies)."""
