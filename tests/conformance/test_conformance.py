@@ -1,9 +1,10 @@
-"""The engine contract, checked the same way for every registered backend (a backend registered
-with common.registry.register_backend gets these tests by being listed in BACKENDS).
+"""The engine contract, checked the same way for every registered backend.
 
 Each backend runs tests/conformance/worker.py once on 2 gloo ranks; the tests below read what each
-rank saw. Under Bazel, one target per backend sets CONFORMANCE_BACKEND; under plain pytest every
-registered backend is a parameter.
+rank saw. Under plain pytest every backend in common.registry.BACKENDS is a parameter, so a backend a
+host registers with register_backend (in a conftest or plugin imported first) runs them too. Under
+Bazel the targets are a list in tests/conformance/BUILD.bazel, one per built-in backend, each setting
+CONFORMANCE_BACKEND: a new built-in backend adds its name there.
 """
 
 import json
