@@ -37,11 +37,11 @@ def broadcast_state_into(model: torch.nn.Module, full_state: dict[str, torch.Ten
         problem = (missing or extra) and f"the loaded state does not match the module: missing {missing[:5]}, extra {extra[:5]}"
     else:
         problem = None
+    global_src = torch_dist.get_global_rank(group, src)
     holder = [problem]
-    torch_dist.broadcast_object_list(holder, src=torch_dist.get_global_rank(group, src), group=group)
+    torch_dist.broadcast_object_list(holder, src=global_src, group=group)
     if holder[0]:
         raise ValueError(holder[0])
-    global_src = torch_dist.get_global_rank(group, src)
     for name, target in targets.items():
         local = target.to_local() if isinstance(target, DTensor) else target
         full = (full_state[name].to(device=local.device, dtype=local.dtype) if rank == src

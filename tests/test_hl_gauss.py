@@ -12,7 +12,7 @@ from transformers import AutoModelForTokenClassification
 from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.tests.torchrun import run_torchrun_group, worker_env
 from critic_adapters.common.valuehead import compute_values, load_critic, save_critic
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.hl_gauss_worker import LR, SUPPORT
@@ -39,10 +39,9 @@ def _run_once(name, base_dir, tmp_path_factory):
     if name not in _DONE:
         ranks = RUNS[name][1]
         group = [other for other, (_, n, _) in sorted(RUNS.items()) if n == ranks]
-        works = {other: tmp_path_factory.mktemp(other) for other in group}
-        args = [str(arg) for other in group for arg in (works[other], RUNS[other][0], RUNS[other][2])]
-        run_torchrun(ranks, "critic_adapters.tests.hl_gauss_worker", base_dir, *args,
-                     env=worker_env(PYTHONWARNINGS="ignore"))
+        works = run_torchrun_group(ranks, "critic_adapters.tests.hl_gauss_worker", group,
+                                   lambda other: (RUNS[other][0], RUNS[other][2]), tmp_path_factory, base_dir,
+                                   env=worker_env(PYTHONWARNINGS="ignore"))
         for other in group:
             _DONE[other] = ranks // RUNS[other][2], works[other], torch.load(works[other] / "result.pt")
     return _DONE[name]

@@ -14,7 +14,7 @@ from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.loss import value_loss
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.tests.torchrun import run_torchrun_group, worker_env
 from critic_adapters.common.valuehead import compute_values, load_critic, save_critic
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.lora_worker import LORA, LR
@@ -45,10 +45,9 @@ def _run_once(name: str, model_dirs, tmp_path_factory, adapter: str | None = Non
         group = ([other for other, (_, n, _) in sorted(RUNS.items()) if n == RUNS[name][1]] if name in RUNS
                  else [name])
         specs = {other: RUNS.get(other, ("fsdp", 1, "1")) for other in group}
-        works = {other: tmp_path_factory.mktemp(other) for other in group}
-        args = [str(a) for other in group for a in (works[other], specs[other][0], specs[other][2], adapter or "-")]
-        run_torchrun(specs[name][1], "critic_adapters.tests.lora_worker", model_dirs[1], *args,
-                     env=worker_env(PYTHONWARNINGS="ignore"))
+        works = run_torchrun_group(specs[name][1], "critic_adapters.tests.lora_worker", group,
+                                   lambda other: (specs[other][0], specs[other][2], adapter or "-"), tmp_path_factory,
+                                   model_dirs[1], env=worker_env(PYTHONWARNINGS="ignore"))
         for other in group:
             _, ranks, parallel = specs[other]
             tensor, _, pipeline = parallel.removesuffix("sp").partition("x")

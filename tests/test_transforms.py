@@ -11,7 +11,7 @@ from transformers import AutoModelForTokenClassification
 from critic_adapters.common.checkpoints import critic_fingerprint
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.tests.torchrun import run_torchrun_group, worker_env
 from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.tests.conformance.worker import rollout
 
@@ -40,10 +40,9 @@ def run(request, model_dir, tmp_path_factory):
     if request.param not in _DONE:
         ranks = RUNS[request.param][1]
         group = [name for name, (_, n, _) in sorted(RUNS.items()) if n == ranks]
-        works = {name: tmp_path_factory.mktemp(name) for name in group}
-        args = [str(a) for name in group for a in (works[name], RUNS[name][2], RUNS[name][0])]
-        run_torchrun(ranks, "critic_adapters.tests.transform_worker", model_dir, *args,
-                     env=worker_env(PYTHONWARNINGS="ignore"))
+        works = run_torchrun_group(ranks, "critic_adapters.tests.transform_worker", group,
+                                   lambda name: (RUNS[name][2], RUNS[name][0]), tmp_path_factory, model_dir,
+                                   env=worker_env(PYTHONWARNINGS="ignore"))
         for name in group:
             backend, _, transforms = RUNS[name]
             _DONE[name] = transforms.split(","), works[name], dict(torch.load(works[name] / "result.pt"), backend=backend)

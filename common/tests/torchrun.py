@@ -33,6 +33,15 @@ def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
     return result
 
 
+def run_torchrun_group(nproc: int, module: str, names, args_of, tmp_path_factory, *leading: str,
+                       env: dict | None = None) -> dict:
+    """One torchrun of MODULE for several runs of the same process count: argv is LEADING, then
+    per name its own work directory and `args_of(name)`; returns {name: work directory}."""
+    works = {name: tmp_path_factory.mktemp(name) for name in names}
+    run_torchrun(nproc, module, *leading, *(str(a) for name in names for a in (works[name], *args_of(name))), env=env)
+    return works
+
+
 def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1)."""
     return subprocess.run([sys.executable, "-m", launcher, *args], env=env or worker_env(), capture_output=True,
