@@ -99,6 +99,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="fsdp")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--sets", default="default,heavy-tailed", help="rollout sets to run (comma-separated)")
+    parser.add_argument("--losses", default="mse,mse_unclipped,hl_gauss", help="losses to run (comma-separated)")
     args = parser.parse_args(argv)
 
     from critic_adapters.common.data import make_default_records
@@ -107,6 +109,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="critic_value_learning_") as tmp:
         sets = {"default": ("embedded:default", make_default_records(NUM_ROLLOUTS, SEED)),
                 "heavy-tailed": (None, heavy_tailed_records(NUM_ROLLOUTS, SEED))}
+        sets = {name: sets[name] for name in args.sets.split(",")}
         for name, (path, records) in sets.items():
             path = path or write_jsonl(records, os.path.join(tmp, f"{name}.jsonl"))
             low, high = return_range(records)
@@ -115,6 +118,7 @@ def main(argv=None) -> None:
             variants = (("mse", []),  # the default job's loss: clipped at 0.5 around the initial values
                         ("mse_unclipped", ["engine.loss.clip_range=null"]),
                         ("hl_gauss", ["engine.loss.kind=hl_gauss", "engine.loss.clip_range=null", *support]))
+            variants = [(kind, loss) for kind, loss in variants if kind in args.losses.split(",")]
             for kind, loss in variants:
                 result = run_job(args.backend, args.nproc, os.path.join(tmp, f"{name}-{kind}"), data + loss)
                 results[f"{name}/{kind}"] = dict(result, returns=[low, high])
@@ -125,6 +129,8 @@ def main(argv=None) -> None:
             json.dump({"backend": args.backend, "nproc": args.nproc, "results": results}, f, indent=2)
             f.write("\n")
     ev = {key: value["explained_variance"] for key, value in results.items()}
+    if len(ev) < 6:
+        return
     print(f"hl_gauss vs mse held-out EV: {ev['default/hl_gauss']:.4f} vs {ev['default/mse']:.4f} (default data), "
           f"{ev['heavy-tailed/hl_gauss']:.4f} vs {ev['heavy-tailed/mse']:.4f} (heavy-tailed)")
 

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .atomic_dir import commit_staging_dir, make_staging_dir
-from .distributed import all_reduce, barrier, broadcast_object
+from .distributed import agree_on_failure, barrier, broadcast_object
 from .hl_gauss import HLGaussSupport, describe, support_of
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -134,10 +134,11 @@ def _numel(shape: list[int]) -> int:
 
 
 @contextlib.contextmanager
-def staged_checkpoint(directory: str, *, is_main: bool, group):
+def staged_checkpoint(directory: str, *, is_main: bool, group, timeout_s: float):
     """Yield one staging directory to every rank of `group`; it replaces `directory` when all ranks'
-    blocks succeed. If any rank fails, every rank raises (none is left waiting in a collective),
-    the staging directory is removed and the previous checkpoint stays as it was."""
+    blocks succeed. If any rank fails, every rank raises with that rank's message (none is left
+    waiting: common.distributed.agree_on_failure, `timeout_s` at most), the staging directory is
+    removed and the previous checkpoint stays as it was."""
     directory = os.path.abspath(directory)
     staging = error = None
     if is_main:
@@ -160,14 +161,13 @@ def staged_checkpoint(directory: str, *, is_main: bool, group):
             # Said now, on this rank: a rank that failed inside a collective leaves the others in it.
             print(f"saving checkpoint {directory} failed on this rank: {type(err).__name__}: {err}",
                   file=sys.stderr, flush=True)
-    (failed_anywhere,) = all_reduce([float(error is not None)], op="max", group=group)
-    if failed_anywhere:
+    try:
+        agree_on_failure(error, f"saving checkpoint {directory} (the previous checkpoint is unchanged)",
+                         group=group, timeout_s=timeout_s)
+    except BaseException:
         if is_main and staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        if error is not None:
-            raise error
-        raise RuntimeError(f"saving checkpoint {directory} failed on another rank (its error is in that "
-                           f"rank's log); the previous checkpoint is unchanged")
+        raise
     if is_main:
         commit_staging_dir(staging, directory)
     barrier(group)  # the rename is done before any rank looks for the checkpoint
@@ -240,7 +240,8 @@ def save_with_space_check(engine, root: str, directory: str, extra_state: dict, 
     the disk of `root` (the main rank's view) has less free space than the save needs; a save that
     fails on a full disk is a ValueError naming the disk, the sizes and the last good checkpoint."""
     # A write that runs out of space half-way fails with messages that never mention the disk.
-    needed = engine.checkpoint_bytes()
+    needed = engine.checkpoint_bytes() + sum(value.numel() * value.element_size() for value in extra_state.values()
+                                             if isinstance(value, torch.Tensor))
     free = broadcast_object(shutil.disk_usage(root).free if main else None, group=group)
     if needed > free:
         raise ValueError(_disk_full_message(root, directory, needed, free))

@@ -42,7 +42,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+            raise ValueError(f"engine.model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -62,11 +62,11 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.lr <= 0:
-            raise ValueError(f"optim.lr={self.lr} must be > 0")
+            raise ValueError(f"engine.optim.lr={self.lr} must be > 0")
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"optim.lr_schedule={self.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
+            raise ValueError(f"engine.optim.lr_schedule={self.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
         if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+            raise ValueError(f"engine.optim.warmup_steps={self.warmup_steps} must be >= 0")
 
 
 LOSS_KINDS = ("mse", "hl_gauss")
@@ -92,7 +92,8 @@ class LossConfig:
     trained by cross-entropy against HL-Gauss targets, its value the expectation (common/hl_gauss.py)."""
     clip_range: float | None = 0.5
     """Value clip eps around the rollout's old values; None for the unclipped loss (mse only: set it
-    to null with kind=hl_gauss)."""
+    to null with kind=hl_gauss). The standalone job's rollouts without old_values take the current
+    critic's at the start of every epoch (docs/DATA.md), so the clip bounds one epoch's move."""
     agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, normalised over
     the whole mini-batch (all ranks, all micro-batches)."""
@@ -102,9 +103,9 @@ class LossConfig:
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"engine.loss.kind={self.kind!r}: use one of {', '.join(LOSS_KINDS)}")
         if self.agg_mode not in AGG_MODES:
-            raise ValueError(f"loss.agg_mode={self.agg_mode!r}: use one of {', '.join(AGG_MODES)}")
+            raise ValueError(f"engine.loss.agg_mode={self.agg_mode!r}: use one of {', '.join(AGG_MODES)}")
         if self.clip_range is not None and self.clip_range <= 0:
-            raise ValueError(f"loss.clip_range={self.clip_range} must be > 0, or null for no clipping")
+            raise ValueError(f"engine.loss.clip_range={self.clip_range} must be > 0, or null for no clipping")
         if self.kind == "hl_gauss":
             if self.clip_range is not None:
                 raise ValueError(f"engine.loss.clip_range={self.clip_range} does not apply to engine.loss.kind=hl_gauss "
@@ -136,9 +137,9 @@ class BatchingConfig:
 
     def __post_init__(self):
         if self.micro_batch_tokens < 1:
-            raise ValueError(f"batching.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+            raise ValueError(f"engine.batching.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"batching.micro_batch_size={self.micro_batch_size} must be >= 1, or null")
+            raise ValueError(f"engine.batching.micro_batch_size={self.micro_batch_size} must be >= 1, or null")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -210,6 +211,13 @@ class LoRAConfig:
             raise ValueError("engine.lora.target_modules is empty: name the projections to adapt, e.g. [q_proj, v_proj]")
         if self.adapter_path is not None and not self.rank:
             raise ValueError(f"engine.lora.adapter_path={self.adapter_path} needs engine.lora.rank > 0 (the adapter's rank)")
+        if not self.rank:  # LoRA off: a LoRA setting given anyway means the user expects a LoRA critic
+            changed = [f"engine.lora.{key}={value}" for key, value, default in (
+                ("target_modules", self.target_modules, list(LORA_TARGETS)), ("alpha", self.alpha, 16.0),
+                ("dropout", self.dropout, 0.0)) if value != default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set, but engine.lora.rank=0 turns LoRA off (a full fine-tune): "
+                                 f"set engine.lora.rank > 0 (e.g. 8) for a LoRA critic, or drop the engine.lora keys")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -233,9 +241,15 @@ class EngineConfig:
     """Model transforms applied between loading the critic and parallelising it, in order
     (common/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""
     seed: int = 0
+    collective_timeout_s: float = 600.0
+    """How long a rank waits in a collective, or for the others to report how a save, load or export
+    went, before it raises: a rank that failed cannot leave the others waiting longer. The job's
+    process groups and the engine's take it (a host's own groups keep theirs)."""
 
     def __post_init__(self):
         self.transforms = list(self.transforms)
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"engine.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"engine.mixed_precision={self.mixed_precision!r}: use one of {', '.join(MIXED_PRECISION)}")
 
@@ -258,6 +272,11 @@ class DataConfig:
     """Deprecated name of lam_critic (still read; it sets lam_critic)."""
     mini_batch_size: int = 64
     """Sequences per optimizer step, across all ranks."""
+    rollout_batch_size: int | None = 256
+    """Rollouts of one PPO iteration (verl's data.train_batch_size), for rollouts that bring no
+    old_values: the job takes their old values, the centre of the value clip, from the current
+    critic at the start of every rollout_batch_size rollouts of an epoch's shuffled order (null:
+    once per epoch). A multiple of mini_batch_size. Old values given in the data stay as given."""
     truncate_to_max_positions: bool = False
     """Cut rollouts longer than the model's max_position_embeddings to that length (their tail, and
     any reward on it, is dropped) instead of refusing them."""
@@ -267,6 +286,11 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.mini_batch_size < 1:
             raise ValueError(f"data.mini_batch_size={self.mini_batch_size} must be >= 1")
+        if self.rollout_batch_size is not None and (self.rollout_batch_size < self.mini_batch_size
+                                                    or self.rollout_batch_size % self.mini_batch_size):
+            raise ValueError(f"data.rollout_batch_size={self.rollout_batch_size} must be a multiple of "
+                             f"data.mini_batch_size={self.mini_batch_size} (the mini-batches of one PPO iteration), "
+                             f"or null for one iteration per epoch")
         if self.lam is not None:
             if self.lam_critic not in (1.0, self.lam):
                 raise ValueError(f"data.lam={self.lam} and data.lam_critic={self.lam_critic} are the same setting "
@@ -450,7 +474,7 @@ def _load_yaml(path: str):
 # computes. Every other key must match the run's saved config.yaml.
 CHANGEABLE_ON_RESUME = frozenset({
     "trainer.run_dir", "trainer.resume", "trainer.epochs", "trainer.save_every_steps", "trainer.keep_last",
-    "trainer.export_hf", "trainer.tensorboard", "trainer.plot", "trainer.progress",
+    "trainer.export_hf", "trainer.tensorboard", "trainer.plot", "trainer.progress", "engine.collective_timeout_s",
     # The parallel layout: checkpoints hold global tensors (a TP2 run resumes at TP1), and the
     # data-parallel degree already changes with --nproc.
     "engine.parallel.tensor", "engine.parallel.pipeline", "engine.parallel.sequence_parallel",

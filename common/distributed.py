@@ -8,9 +8,12 @@ model's collectives run on NCCL. Every collective names its group explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import gc
 import importlib
+import json
 import os
 import socket
 import warnings
@@ -42,8 +45,32 @@ def process_group_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed() -> DistContext:
-    """Join (or create) the default process group (see process_group_backend)."""
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # engine.collective_timeout_s's default
+
+
+@contextlib.contextmanager
+def groups_time_out_after(seconds: float | None):
+    """Process groups created inside take `seconds` as their timeout where the creator passes none
+    (torch's DeviceMesh, megatron's and VeOmni's own groups): a collective some rank never joins
+    then raises on the ranks waiting in it instead of blocking them for torch's 30 minutes."""
+    if seconds is None:
+        yield
+        return
+    from torch.distributed import distributed_c10d
+
+    saved = distributed_c10d.default_pg_timeout
+    distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        distributed_c10d.default_pg_timeout = saved
+
+
+def init_distributed(timeout_s: float | None = None) -> DistContext:
+    """Join (or create) the default process group (see process_group_backend). `timeout_s`: how
+    long a collective waits for a rank that never joins it (engine.collective_timeout_s; None:
+    torch's default) when this call creates the group."""
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         # torch.distributed.nn.functional binds `group=group.WORLD` as a default argument when it
         # is imported: imported once the group exists (megatron and others do), it would hold the
@@ -59,7 +86,7 @@ def init_distributed() -> DistContext:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             dist.init_process_group(process_group_backend(), store=dist.HashStore(), rank=0, world_size=1)
         else:
-            dist.init_process_group(process_group_backend())
+            dist.init_process_group(process_group_backend(), timeout=timeout)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -114,6 +141,81 @@ def barrier(group) -> None:
     """Wait for every rank of `group`; a CPU all-reduce, so it needs no device (gloo on any machine)."""
     if _active(group):
         dist.all_reduce(torch.zeros(1), group=group)
+
+
+class FailedOnAnotherRank(RuntimeError):
+    """A step every rank runs failed on another rank (the message is that rank's)."""
+
+
+_OUTCOMES: dict[tuple[int, ...], int] = {}  # per group (its global ranks): how many outcomes it agreed on
+
+
+def _failure_kind(err: BaseException) -> str:
+    if isinstance(err, ValueError):
+        return "ValueError"
+    if isinstance(err, OSError):
+        return "OSError"
+    text = str(err).lower()
+    # What a rank left waiting in a collective sees when its peer failed: an effect, not the cause.
+    if isinstance(err, (RuntimeError, dist.DistError)) and any(
+            mark in text for mark in ("timed out", "timeout", "connection closed", "connection reset")):
+        return "collective"
+    return type(err).__name__
+
+
+def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s: float) -> None:
+    """Every rank of `group` calls this after `what` with its own error (None: it succeeded); if
+    any rank failed, every rank raises: the rank whose error caused it re-raises its own, the others
+    an error of the same kind (ValueError, OSError, else FailedOnAnotherRank) with that rank's
+    message. The outcomes travel through the process group's store, not a collective: a rank that
+    failed before a collective its peers are in must not meet them in the wrong one (they leave it
+    at the group's timeout, then learn here why). A rank that does not report within twice
+    `timeout_s` (the collective timeout it may first wait out, then as long again) is named in a
+    RuntimeError."""
+    if not _active(group):
+        if error is not None:
+            raise error
+        return
+    from torch.distributed import distributed_c10d
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    count = _OUTCOMES[ranks] = _OUTCOMES.get(ranks, 0) + 1
+    prefix = f"critic_adapters/outcome/{'-'.join(map(str, ranks))}/{count}/"
+    store, me = distributed_c10d._get_default_store(), dist.get_rank()
+    mine = None if error is None else {"kind": _failure_kind(error), "message": f"{type(error).__name__}: {error}"
+                                       if _failure_kind(error) not in ("ValueError", "OSError") else str(error)}
+    store.set(prefix + str(me), json.dumps(mine))
+    try:
+        store.wait([prefix + str(r) for r in ranks], datetime.timedelta(seconds=2 * timeout_s))
+    except Exception as waited:  # noqa: BLE001 - the store's timeout error has no stable type
+        missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        raise RuntimeError(f"{what}: rank(s) {missing} did not finish it within {2 * timeout_s:g} s "
+                           f"(twice engine.collective_timeout_s); their logs say why") from (error or waited)
+    failed = {r: json.loads(store.get(prefix + str(r))) for r in ranks}
+    failed = {r: outcome for r, outcome in failed.items() if outcome is not None}
+    if not failed:
+        return
+    cause = min(failed, key=lambda r: (failed[r]["kind"] == "collective", r))
+    if cause == me:
+        raise error
+    kind, message = failed[cause]["kind"], failed[cause]["message"]
+    text = f"{what} failed on rank {cause}: {message}"
+    raise (ValueError(text) if kind == "ValueError" else OSError(text) if kind == "OSError"
+           else FailedOnAnotherRank(text)) from error
+
+
+@contextlib.contextmanager
+def one_outcome(what: str, *, group, timeout_s: float):
+    """The block runs on every rank of `group`, and fails on every rank or on none (agree_on_failure).
+    Ctrl-C and exit pass through: every rank got the signal."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - reported to every rank, then re-raised here
+        agree_on_failure(err, what, group=group, timeout_s=timeout_s)
+        raise
+    agree_on_failure(None, what, group=group, timeout_s=timeout_s)
 
 
 def world_group():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import gc
 import warnings
 
@@ -46,7 +47,7 @@ from .checkpoints import (
     write_meta,
 )
 from .config import EngineConfig
-from .distributed import DistContext, all_reduce, barrier
+from .distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
 from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .registry import check_engine_config
@@ -99,7 +100,10 @@ class FSDP2Engine(abc.ABC):
         if mesh is not None:
             mesh.check_matches(config.parallel, who=f"the {self.backend} engine")
         self._owns_mesh = mesh is None
-        self.parallel = mesh if mesh is not None else self._build_mesh()
+        if mesh is None:
+            with groups_time_out_after(config.collective_timeout_s):  # the groups it (or VeOmni) creates
+                mesh = self._build_mesh()
+        self.parallel = mesh
         self.dp_group, self.dp_rank, self.dp_size = self.parallel.dp_group, self.parallel.dp_rank, self.parallel.dp_size
         # The ranks FSDP shards over (dp x sp): checkpoints, exports and gradient averaging use them.
         self.shard_group, self.shard_size = self.parallel.shard_group, self.parallel.shard_size
@@ -263,7 +267,8 @@ class FSDP2Engine(abc.ABC):
         state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
         main = self.is_shard_main
-        with staged_checkpoint(directory, is_main=main, group=self.shard_group) as staging:
+        with staged_checkpoint(directory, is_main=main, group=self.shard_group,
+                               timeout_s=self.config.collective_timeout_s) as staging:
             dcp.save(state, checkpoint_id=staging, process_group=self.shard_group)  # the ranks FSDP shards over
             if main:
                 save_trainer_state(staging, self, extra_state or {})
@@ -272,16 +277,22 @@ class FSDP2Engine(abc.ABC):
     def load_checkpoint(self, directory: str) -> dict:
         """Restore model, optimizer, scheduler and the engine's RNG in place; returns the saved extra state."""
         self._settle()
-        meta = check_meta(directory, self.fingerprint)
-        if meta.get("backend") == "megatron":
-            raise ValueError(f"{directory} was written by the megatron backend (dist_checkpointing shards); resume "
-                             f"it with backend=megatron, or start a new run from its hf_export")
-        state = {"model": self._model_state(),
-                 "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(state, checkpoint_id=directory, process_group=self.shard_group)
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        return load_trainer_state(directory, self)
+        # Each rank reads the checkpoint's files itself: all agree on what they found before the
+        # collective load, and on how the load went after it (common.distributed.one_outcome).
+        agreed = functools.partial(one_outcome, group=self.shard_group, timeout_s=self.config.collective_timeout_s)
+        with agreed(f"loading checkpoint {directory}"):
+            meta = check_meta(directory, self.fingerprint)
+            if meta.get("backend") == "megatron":
+                raise ValueError(f"{directory} was written by the megatron backend (dist_checkpointing shards); "
+                                 f"resume it with backend=megatron, or start a new run from its hf_export")
+        with agreed(f"loading checkpoint {directory}"):
+            state = {"model": self._model_state(),
+                     "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(state, checkpoint_id=directory, process_group=self.shard_group)
+            set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+            extra = load_trainer_state(directory, self)
+        return extra
 
     def checkpoint_bytes(self) -> int:
         """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
@@ -302,11 +313,11 @@ class FSDP2Engine(abc.ABC):
         """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
         weights; what transforms added is folded back or dropped: common.transforms)."""
         full = self._full_state()
-        if self.is_shard_main:
-            plain = export_state_dict(full, engine_transforms(self.config))
-            with self._export_config():
-                save_critic(self.model, directory, state_dict=plain, overwrite=True)
-        barrier(self.shard_group)
+        with one_outcome(f"exporting {directory}", group=self.shard_group, timeout_s=self.config.collective_timeout_s):
+            if self.is_shard_main:  # the others wait for it, and raise with its error if it fails
+                plain = export_state_dict(full, engine_transforms(self.config))
+                with self._export_config():
+                    save_critic(self.model, directory, state_dict=plain, overwrite=True)
 
     def export_adapter(self, directory: str) -> None:
         """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py),
@@ -318,9 +329,10 @@ class FSDP2Engine(abc.ABC):
         from .valuehead.config import head_name
 
         full = self._full_state()
-        if self.is_shard_main:
-            write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
-        barrier(self.shard_group)
+        with one_outcome(f"exporting the adapter {directory}", group=self.shard_group,
+                         timeout_s=self.config.collective_timeout_s):
+            if self.is_shard_main:
+                write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
 
     @property
     def data_parallel_ranks(self) -> int:

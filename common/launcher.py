@@ -248,7 +248,7 @@ def _run(args, config) -> int:
         exit_when_gone(int(os.environ[LAUNCHER_PID_ENV]))
     dist = None
     try:
-        dist = init_distributed()
+        dist = init_distributed(timeout_s=config.engine.collective_timeout_s)
         if args.dry_run:
             dry_run(config, dist)
         else:

@@ -3,9 +3,12 @@
   load and validate rollouts -> build the engine -> old values (and GAE returns) from the initial
   critic -> epochs of shuffled mini-batches, each rank taking its share -> held-out evaluation
   after every epoch -> checkpoints, metrics, plot, HF export.
+Old values the rollouts did not bring are the current critic's predictions, refreshed at the start
+of every epoch (each epoch is one PPO iteration: the value clip is a trust region around the
+critic that starts it, not a cap around the initial one); old values given in the data stay as given.
 Resuming restores the engine and the data position; everything that was derived from the initial
-critic is kept in run_dir/prepared_rollouts.pt, so a resumed run ends bit-identical to an
-uninterrupted one.
+critic is kept in run_dir/prepared_rollouts.pt and the epoch's refreshed old values in the
+checkpoint, so a resumed run ends bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .metrics import MetricsLogger, plot_metrics
 from .run_lock import check_not_in_use, run_dir_lock
 
 PREPARED = "prepared_rollouts.pt"
+OLD_VALUES = "old_values"  # a checkpoint's extra state: the epoch's refreshed old values, response tokens only
 
 
 class TrainingInterrupted(Exception):
@@ -114,7 +118,8 @@ def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.
 
 
 def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> Rollouts:
-    """Fill in old values (the initial critic's predictions) and returns (GAE when given rewards)."""
+    """Fill in old values (the initial critic's predictions; refresh_old_values renews them every
+    epoch) and returns (GAE over the initial critic's values when given rewards)."""
     if rollouts.old_values is None or rollouts.returns is None:
         predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
         check_model_values(predictions, rollouts.response_mask, config, "the initial critic's values")
@@ -124,6 +129,16 @@ def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistC
             rollouts.returns = gae_returns(rollouts.rewards, rollouts.old_values, rollouts.response_mask,
                                            config.data.gamma, config.data.lam_critic)
     return rollouts
+
+
+def refresh_old_values(engine, rollouts: Rollouts, rows: torch.Tensor, config: TrainConfig, dist: DistContext,
+                       step: int) -> None:
+    """A PPO iteration's old values for `rows`: the current critic's predictions (for rollouts that
+    brought none; see data.rollout_batch_size)."""
+    part = rollouts.select(rows)
+    predictions = shift_to_tokens(_distributed_values(engine, part, dist))
+    check_model_values(predictions, part.response_mask, config, f"the critic's values after step {step}")
+    rollouts.old_values[rows, :predictions.shape[1]] = predictions * part.response_mask  # select() trims the padding
 
 
 def evaluate(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> dict[str, float]:
@@ -204,9 +219,12 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
     if resuming:
         prepared = torch.load(prepared_file, weights_only=True)
         train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
+        refresh = bool(prepared.get("refresh_old_values", False))  # False: a run from before the refresh
     else:
         vocab_size, max_positions = model_limits(config.engine.model.path, config.engine.model.trust_remote_code)
         train, held_out = read_rollouts(config, vocab_size, max_positions, say)
+        # Old values only centre the value clip: without one (clip_range null, HL-Gauss) they are not renewed.
+        refresh = train.old_values is None and config.engine.loss.clip_range is not None
 
     # One run per run_dir (rank 0 holds the lock; if it cannot, it fails and takes the others down).
     with run_dir_lock(run_dir) if main else contextlib.nullcontext():
@@ -232,7 +250,8 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
 
         engine = engine_builder(engine_cfg) if engine_builder else build_engine(config.backend, engine_cfg, dist)
         try:
-            return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch)
+            return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch,
+                          refresh=refresh)
         finally:
             engine.close()
 
@@ -262,7 +281,7 @@ def _check_resume_config(config: TrainConfig, run_dir: str, say) -> TrainConfig:
 
 
 def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts,
-           latest: str | None, resuming: bool, say, steps_per_epoch: int) -> dict[str, float]:
+           latest: str | None, resuming: bool, say, steps_per_epoch: int, *, refresh: bool) -> dict[str, float]:
     trainer = config.trainer
     main = dist.is_main
     run_dir = os.path.abspath(trainer.run_dir)
@@ -288,7 +307,7 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
         held_out = prepare_targets(engine, held_out, config, dist)
         if main:
             tmp = prepared_file + ".tmp"
-            torch.save({"train": _as_dict(train), "eval": _as_dict(held_out)}, tmp)
+            torch.save({"train": _as_dict(train), "eval": _as_dict(held_out), "refresh_old_values": refresh}, tmp)
             os.replace(tmp, prepared_file)
         barrier(world_group())
 
@@ -301,7 +320,8 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     progress = _progress(total_steps, position["global_step"], enabled=main and trainer.progress)
     step = position["global_step"]
     try:
-        step = _epochs(engine, config, dist, train, held_out, position, metrics_log, progress, say, steps_per_epoch)
+        step = _epochs(engine, config, dist, train, held_out, position, metrics_log, progress, say, steps_per_epoch,
+                       refresh=refresh)
         _save(engine, ckpt_root, step, {"epoch": trainer.epochs, "step_in_epoch": 0, "global_step": step},
               trainer.keep_last, main, say)
     except KeyboardInterrupt:
@@ -337,19 +357,27 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
 
 
 def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts, position: dict,
-            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int) -> int:
-    """The training loop from `position` to the last epoch; returns the last global step."""
+            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int, *, refresh: bool) -> int:
+    """The training loop from `position` to the last epoch; returns the last global step. `refresh`:
+    the rollouts brought no old values, so each epoch starts by taking the current critic's."""
     trainer = config.trainer
     main = dist.is_main
     ckpt_root = os.path.join(os.path.abspath(trainer.run_dir), "checkpoints")
     mini = config.data.mini_batch_size
     total_steps = steps_per_epoch * trainer.epochs
     step = position["global_step"]
+    batch = config.data.rollout_batch_size
+    per_iteration = steps_per_epoch if batch is None else batch // mini  # mini-batches of one PPO iteration
     for epoch in range(position["epoch"], trainer.epochs):
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.engine.seed * 1000 + epoch))
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
+        if refresh and first % per_iteration:  # resumed inside an iteration: its old values came with the checkpoint
+            _restore_old_values(train, _iteration_rows(order, first, per_iteration, mini), position)
         for step_in_epoch in range(first, steps_per_epoch):
             rows = order[step_in_epoch * mini:(step_in_epoch + 1) * mini]
+            if refresh and step_in_epoch % per_iteration == 0 and step > 0:  # step 0's: prepare_targets
+                refresh_old_values(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini), config,
+                                   dist, step)
             metrics = engine.update(_batch(train, rows[engine.dp_rank::engine.dp_size]))  # a DP rank's share
             step += 1
             if not math.isfinite(metrics["value_loss"]):
@@ -365,12 +393,33 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
             if step_in_epoch + 1 == steps_per_epoch:
                 next_position = {"epoch": epoch + 1, "step_in_epoch": 0, "global_step": step}
             if trainer.save_every_steps and step % trainer.save_every_steps == 0 and step != total_steps:
-                _save(engine, ckpt_root, step, next_position, trainer.keep_last, main, say)
+                state = dict(next_position)
+                if refresh and next_position["step_in_epoch"] % per_iteration:  # the iteration goes on with these
+                    iteration = _iteration_rows(order, next_position["step_in_epoch"], per_iteration, mini)
+                    state[OLD_VALUES] = train.old_values[iteration][train.response_mask[iteration].bool()]
+                _save(engine, ckpt_root, step, state, trainer.keep_last, main, say)
         held = evaluate(engine, held_out, config, dist)
         metrics_log.log(step, held, prefix="eval", epoch=epoch + 1)
         say(f"epoch {epoch + 1}/{trainer.epochs}: train loss {metrics['value_loss']:.4f}, held-out loss "
             f"{held['value_loss']:.4f}, held-out explained_variance {held['explained_variance']:.3f}")
     return step
+
+
+def _iteration_rows(order: torch.Tensor, step_in_epoch: int, per_iteration: int, mini: int) -> torch.Tensor:
+    """The rows of the PPO iteration that holds the epoch's step `step_in_epoch` (0-based)."""
+    start = step_in_epoch // per_iteration * per_iteration
+    return order[start * mini:(start + per_iteration) * mini]
+
+
+def _restore_old_values(train: Rollouts, rows: torch.Tensor, position: dict) -> None:
+    saved = position.get(OLD_VALUES)
+    mask = train.response_mask[rows].bool()
+    if saved is None or saved.numel() != int(mask.sum()):
+        raise ValueError(f"--resume: the checkpoint lacks the old values of the PPO iteration it stopped in (or they "
+                         f"do not fit {PREPARED}); resume from a checkpoint of this run")
+    old = torch.zeros(mask.shape, dtype=torch.float32)
+    old[mask] = saved.to(torch.float32)
+    train.old_values[rows] = old
 
 
 def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:

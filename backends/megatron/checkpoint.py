@@ -9,6 +9,8 @@ last. Staging, the all-ranks-or-none commit and the fingerprint are common/check
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import dist_checkpointing
 
@@ -20,7 +22,7 @@ from ...common.checkpoints import (
     staged_checkpoint,
     write_meta,
 )
-from ...common.distributed import barrier
+from ...common.distributed import one_outcome
 from ...common.valuehead import save_critic
 
 
@@ -41,7 +43,8 @@ def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
     a failure on any rank raises on every rank (common.checkpoints.staged_checkpoint)."""
     state = _sharded_state(engine.model, engine.optimizer, is_loading=False)
     main = engine.dist.is_main
-    with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group) as staging:
+    with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group,
+                           timeout_s=engine.config.collective_timeout_s) as staging:
         with compat.cuda_to_cpu():
             dist_checkpointing.save(state, staging)
         if main:
@@ -52,24 +55,29 @@ def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
 def load_checkpoint(directory: str, engine) -> dict:
     """Restore model, optimizer, schedule and the engine's RNG in place (any parallel layout); returns
     the extra state."""
-    meta = check_meta(directory, engine.fingerprint)
-    if meta.get("backend") != "megatron":
-        raise ValueError(f"{directory} was written by the {meta.get('backend', 'fsdp')} backend; resume it with that "
-                         f"backend, or start a new run from its hf_export")
-    state = _sharded_state(engine.model, engine.optimizer, is_loading=True)
-    with compat.cuda_to_cpu():
-        loaded = dist_checkpointing.load(state, directory)
-        engine.model.module.load_state_dict(loaded["model"], strict=False)
-        engine.optimizer.load_state_dict(loaded["optimizer"])
-    return load_trainer_state(directory, engine)
+    # Every rank reads the files itself: all agree on what they found before the collective load (a
+    # rank that refused alone would leave the others in it), and on how the load went after it.
+    agreed = functools.partial(one_outcome, group=engine.parallel.world_group,
+                               timeout_s=engine.config.collective_timeout_s)
+    with agreed(f"loading checkpoint {directory}"):
+        meta = check_meta(directory, engine.fingerprint)
+        if meta.get("backend") != "megatron":
+            raise ValueError(f"{directory} was written by the {meta.get('backend', 'fsdp')} backend; resume it with "
+                             f"that backend, or start a new run from its hf_export")
+    with agreed(f"loading checkpoint {directory}"):
+        state = _sharded_state(engine.model, engine.optimizer, is_loading=True)
+        with compat.cuda_to_cpu():
+            loaded = dist_checkpointing.load(state, directory)
+            engine.model.module.load_state_dict(loaded["model"], strict=False)
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        extra = load_trainer_state(directory, engine)
+    return extra
 
 
-def export_hf(directory: str, hf_state: dict | None, critic_class: type, hf_config, *, group) -> None:
-    """Rank 0 (the one holding `hf_state`) writes the HF critic; every rank waits for it."""
-    if hf_state is not None:
-        with torch.random.fork_rng(devices=[]):  # the fresh module's init draws on the global RNG
-            critic = critic_class(hf_config)
-        result = critic.load_state_dict(hf_state, strict=True)
-        assert not result.missing_keys and not result.unexpected_keys, result
-        save_critic(critic, directory, overwrite=True)
-    barrier(group)
+def write_hf(directory: str, hf_state: dict, critic_class: type, hf_config) -> None:
+    """The HF critic of `hf_state` (a full HF state dict) written to `directory`."""
+    with torch.random.fork_rng(devices=[]):  # the fresh module's init draws on the global RNG
+        critic = critic_class(hf_config)
+    result = critic.load_state_dict(hf_state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    save_critic(critic, directory, overwrite=True)

@@ -30,7 +30,7 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
 from ...common.batching import MicroBatch
 from ...common.checkpoints import critic_fingerprint
 from ...common.config import EngineConfig
-from ...common.distributed import DistContext, all_reduce, barrier
+from ...common.distributed import DistContext, all_reduce, one_outcome
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.hl_gauss import head_values
 from ...common.mesh import CONTEXT, ParallelMesh, check_spans_world
@@ -88,7 +88,7 @@ class MegatronCriticEngine:
         self._counts = (sum(p.numel() for p in critic.parameters() if p.requires_grad),
                         sum(p.numel() for p in critic.parameters()))
 
-        parallelize.init_model_parallel(config.parallel, config.seed)
+        parallelize.init_model_parallel(config.parallel, config.seed, config.collective_timeout_s)
         try:
             self._build(critic, config, dist)
         except BaseException:
@@ -332,9 +332,11 @@ class MegatronCriticEngine:
         """Write the critic as a plain HF *ForTokenClassification (fp32) with common.valuehead.save_critic
         (LoRA folded in: W + alpha / r * B @ A)."""
         state = self.hf_state_dict()
-        if state is not None and self.transforms:
-            state = export_state_dict(state, self.transforms)
-        checkpoint.export_hf(directory, state, self.critic_class, self.hf_config, group=self.parallel.world_group)
+        with one_outcome(f"exporting {directory}", group=self.parallel.world_group,
+                         timeout_s=self.config.collective_timeout_s):
+            if state is not None:  # rank 0 writes; the others wait for it, and raise with its error if it fails
+                checkpoint.write_hf(directory, export_state_dict(state, self.transforms) if self.transforms else state,
+                                    self.critic_class, self.hf_config)
 
     def export_adapter(self, directory: str) -> None:
         """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py);
@@ -343,9 +345,10 @@ class MegatronCriticEngine:
         if not lora.rank:
             raise ValueError("export_adapter: this critic has no LoRA adapter (engine.lora.rank=0); use export_hf")
         state = self.hf_state_dict()
-        if state is not None:
-            write_adapter(directory, state, lora, head_name(self.hf_config), base_path=self.config.model.path)
-        barrier(self.parallel.world_group)
+        with one_outcome(f"exporting the adapter {directory}", group=self.parallel.world_group,
+                         timeout_s=self.config.collective_timeout_s):
+            if state is not None:
+                write_adapter(directory, state, lora, head_name(self.hf_config), base_path=self.config.model.path)
 
     @property
     def data_parallel_ranks(self) -> int:

@@ -65,7 +65,7 @@ def _check_same_layout(parallel: ParallelConfig) -> None:
                          f"{owner}'s groups first")
 
 
-def init_model_parallel(parallel: ParallelConfig, seed: int) -> None:
+def init_model_parallel(parallel: ParallelConfig, seed: int, timeout_s: float) -> None:
     """Megatron's groups in the (already initialised) default process group: created, or reused when
     they exist with the same degrees (another engine's or the host's); its RNG tracker seeded."""
     assert torch.distributed.is_initialized(), "init the default process group first (common.distributed)"
@@ -76,7 +76,8 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> None:
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor,
                                                  pipeline_model_parallel_size=parallel.pipeline,
-                                                 context_parallel_size=parallel.context)
+                                                 context_parallel_size=parallel.context,
+                                                 distributed_timeout_minutes=timeout_s / 60)
         _USAGE.created_groups = True
         if not compat.cpu_mode():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -121,7 +121,7 @@ def tree_snapshot(path) -> dict:
 
 
 # A shorter job than the default, for the resume tests: 512 rollouts, 2 epochs of 15 steps; a
-# checkpoint every 8 (the resume tests kill a run after step 8's), each one a collective save.
+# checkpoint every 8 (the resume tests kill a run after step 16's), each one a collective save.
 SHORT_JOB = ("data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs=2", "trainer.save_every_steps=8",
              "trainer.keep_last=3", "trainer.tensorboard=false", "trainer.plot=false", "trainer.progress=false")
 

@@ -84,6 +84,20 @@ def test_config_overrides_and_every_key_documented():
         load_train_config([], ["engine.mixed_precision=fp8"])
 
 
+
+@pytest.mark.parametrize("override, message", [
+    ("engine.optim.lr=-1", "engine.optim.lr=-1.0 must be > 0"),  # the key as the user writes it
+    ("engine.loss.agg_mode=mean", "engine.loss.agg_mode='mean'"),
+    ("engine.lora.target_modules=[q_proj,v_proj]", "engine.lora.target_modules=['q_proj', 'v_proj'] set, but "
+                                                   "engine.lora.rank=0 turns LoRA off"),
+    ("data.rollout_batch_size=100", "data.rollout_batch_size=100 must be a multiple of data.mini_batch_size=64"),
+    ("engine.collective_timeout_s=0", "engine.collective_timeout_s=0.0 must be > 0"),
+])
+def test_config_errors_name_the_key_as_the_user_writes_it(override, message):
+    with pytest.raises(ValueError) as raised:
+        load_train_config([], [override])
+    assert message in str(raised.value), str(raised.value)
+
 def test_lr_schedules():
     constant = OptimConfig(lr=1.0, warmup_steps=4)
     assert [lr_multiplier(s, constant) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]

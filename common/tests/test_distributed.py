@@ -79,5 +79,23 @@ def test_cpu_only_machines_use_gloo(monkeypatch):
     assert distributed.process_group_backend() == "gloo"
 
 
+def test_a_rank_that_fails_alone_makes_every_rank_raise_its_message_within_the_timeout(tmp_path):
+    # Between collectives at once; before a collective the other rank waits in, at the group's timeout.
+    import json
+
+    from critic_adapters.common.tests.outcome_worker import TIMEOUT_S
+    from critic_adapters.common.tests.torchrun import run_torchrun
+
+    run_torchrun(2, "critic_adapters.common.tests.outcome_worker", str(tmp_path), timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for step, longest in (("between", TIMEOUT_S / 2), ("inside", 3 * TIMEOUT_S)):
+        own, other = ranks[1][step]["raised"], ranks[0][step]["raised"]
+        assert own == {"type": "ValueError", "message": f"rank 1's own problem in step {step}"}, own
+        assert other == {"type": "ValueError",
+                         "message": f"step {step} failed on rank 1: rank 1's own problem in step {step}"}, other
+        assert all(r[step]["seconds"] < longest for r in ranks), (step, ranks)
+    assert ranks[0]["inside"]["seconds"] >= TIMEOUT_S * 0.9  # it did wait in the collective, until the timeout
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

@@ -12,7 +12,7 @@ from critic_adapters.common.tests.helpers import run_pytest
 
 
 def _save(directory, content):
-    with checkpoints.staged_checkpoint(str(directory), is_main=True, group=None) as staging:
+    with checkpoints.staged_checkpoint(str(directory), is_main=True, group=None, timeout_s=60) as staging:
         with open(os.path.join(staging, "data"), "w") as f:
             f.write(content)
 
@@ -28,7 +28,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, raised, expected
     target = tmp_path / "step_000004"
     _save(target, "old")
     with pytest.raises(expected):
-        with checkpoints.staged_checkpoint(str(target), is_main=True, group=None) as staging:
+        with checkpoints.staged_checkpoint(str(target), is_main=True, group=None, timeout_s=60) as staging:
             with open(os.path.join(staging, "data"), "w") as f:
                 f.write("new")
             raise raised

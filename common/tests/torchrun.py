@@ -88,9 +88,14 @@ def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | 
     return seen
 
 
+# SHORT_JOB's checkpoint of step 16: epoch 2 has begun (15 steps an epoch) and its first PPO iteration
+# is one step in, so the resumed run needs the old values the iteration started with (common/trainer.py).
+KILL_AFTER_STEP = 16
+
+
 def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, env: dict | None = None,
                                           before_resume=None, whole_args=()) -> subprocess.CompletedProcess:
-    """The whole run, and the same run SIGKILLed after its step-8 checkpoint then `--resume`d, end
+    """The whole run, and the same run SIGKILLed after its step-16 checkpoint then `--resume`d, end
     with bit-identical exports and the same final explained variance (run_root/whole, /killed).
     `before_resume(killed_dir)`: what to check on the killed run first (or copy it, to resume it
     another way too). `whole_args`: for the whole run only (outputs that leave the weights alone,
@@ -100,7 +105,7 @@ def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, e
     whole, killed = run_root / "whole", run_root / "killed"
     result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, *whole_args, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
-    run_launcher_killed_after(launcher, 8, f"trainer.run_dir={killed}", *args, env=env)
+    run_launcher_killed_after(launcher, KILL_AFTER_STEP, f"trainer.run_dir={killed}", *args, env=env)
     if before_resume is not None:
         before_resume(killed)
     resumed = run_launcher(launcher, f"trainer.run_dir={killed}", *args, "--resume", env=env)

@@ -48,7 +48,7 @@ class CriticWorker:
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")  # Ray gives each actor its own devices
-        self.dist = init_distributed()
+        self.dist = init_distributed(timeout_s=config.collective_timeout_s)
         self.engine = build_engine(backend, config, self.dist)
         info = {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size}
         if self.rank == 0:

@@ -20,7 +20,7 @@ from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
 from critic_adapters.common.valuehead import compute_values
-from critic_adapters.tests.conformance.worker import rollout
+from critic_adapters.tests.conformance.worker import TIMEOUT_S, rollout
 
 SELECTED = os.environ.get("CONFORMANCE_BACKEND")
 NAMES = [SELECTED] if SELECTED else sorted(BACKENDS)
@@ -61,9 +61,25 @@ def test_every_engine_has_the_whole_contract_and_its_pieces_work(run):
         assert pieces["adapter"] is not None and "engine.lora.rank=0" in pieces["adapter"], pieces["adapter"]
 
 
-def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_old_checkpoint(run):
+@pytest.mark.parametrize("step, failing_rank, message", [
+    ("failing_save", 0, "No space left on device"),
+    ("failing_load", 1, "Input/output error"),
+    ("failing_export", 0, "not_a_directory"),
+])
+def test_a_save_load_or_export_failing_on_one_rank_raises_on_every_rank_with_its_message(run, step, failing_rank,
+                                                                                        message):
+    _, _, ranks = run
+    outcomes = [r[step] for r in ranks]
+    assert all(o["raised"] is not None for o in outcomes), outcomes
+    # The failing rank raises its own error; the other an error of the same kind naming that rank and its message.
+    assert all(o["raised"]["kind"] == "OSError" and message in o["raised"]["message"] for o in outcomes), outcomes
+    other = outcomes[1 - failing_rank]["raised"]["message"]
+    assert f"failed on rank {failing_rank}: " in other, other
+    assert all(o["seconds"] < TIMEOUT_S for o in outcomes), outcomes  # nobody waited for a timeout
+
+
+def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_staging(run):
     _, work, ranks = run
-    assert [r["failing_save"]["raised"] for r in ranks] == ["OSError", "RuntimeError"]
     assert all(r["staging_left"] == [] for r in ranks)
     assert all(r["old_checkpoint_values_diff"] == 0.0 for r in ranks)
 

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import sys
+import time
 import warnings
 
 import torch
@@ -80,9 +81,13 @@ def changes(before: dict, after: dict) -> list[str]:
     return out
 
 
+TIMEOUT_S = 60.0  # engine.collective_timeout_s: a rank left waiting raises within it
+
+
 def engine_config(model_dir: str) -> EngineConfig:
     return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3),
-                        loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=64))
+                        loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=64),
+                        collective_timeout_s=TIMEOUT_S)
 
 
 def rollout(rank: int, nan: bool = False) -> RolloutBatch:
@@ -99,24 +104,54 @@ def rollout(rank: int, nan: bool = False) -> RolloutBatch:
     return RolloutBatch(ids * mask, mask, response, torch.zeros(3, 12), returns)
 
 
+def _outcome(call) -> dict:
+    start = time.monotonic()
+    try:
+        call()
+        raised = None
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        kind = next((base.__name__ for base in (ValueError, OSError) if isinstance(err, base)), type(err).__name__)
+        raised = {"type": type(err).__name__, "kind": kind, "message": str(err)}
+    return {"raised": raised, "seconds": time.monotonic() - start}
+
+
+def _with_trainer_state_failing(engine, name: str, on_rank: int, error: OSError, call) -> dict:
+    """call() on every rank while torch.<name> (save or load) raises `error` on rank `on_rank` for
+    the checkpoint's trainer_state.pt."""
+    real = getattr(torch, name)
+
+    def failing(*args, **kwargs):
+        if str(args[1] if name == "save" else args[0]).endswith("trainer_state.pt"):
+            raise error
+        return real(*args, **kwargs)
+
+    if engine.dist.rank == on_rank:
+        setattr(torch, name, failing)
+    try:
+        return _outcome(call)
+    finally:
+        setattr(torch, name, real)
+
+
 def failing_save(engine, directory: str) -> dict:
     """Rank 0's trainer-state write fails (disk full) after the shards are written."""
-    real_save = torch.save
+    return _with_trainer_state_failing(engine, "save", 0, OSError(errno.ENOSPC, "No space left on device"),
+                                       lambda: engine.save_checkpoint(directory))
 
-    def full_disk(obj, f, *args, **kwargs):
-        if str(f).endswith("trainer_state.pt"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *args, **kwargs)
 
+def failing_load(engine, directory: str) -> dict:
+    """Rank 1 cannot read the checkpoint's trainer state (after the collective load of the shards)."""
+    return _with_trainer_state_failing(engine, "load", 1, OSError(errno.EIO, "Input/output error"),
+                                       lambda: engine.load_checkpoint(directory))
+
+
+def failing_export(engine, workdir: str) -> dict:
+    """Rank 0, the one that writes the export, finds a file where the export's parent should be."""
+    blocker = os.path.join(workdir, "not_a_directory")
     if engine.dist.is_main:
-        torch.save = full_disk
-    try:
-        engine.save_checkpoint(directory)
-        return {"raised": None}
-    except (OSError, RuntimeError) as err:
-        return {"raised": type(err).__name__}
-    finally:
-        torch.save = real_save
+        open(blocker, "w").close()
+    barrier(engine.parallel.world_group)
+    return _outcome(lambda: engine.export_hf(os.path.join(blocker, "hf_export")))
 
 
 def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
@@ -172,6 +207,8 @@ def main() -> None:
     out["failing_save"] = failing_save(engine, good)
     barrier(engine.parallel.world_group)  # rank 0 removes the staging directory after the others have raised
     out["staging_left"] = sorted(n for n in os.listdir(workdir) if n.startswith("."))
+    out["failing_load"] = failing_load(engine, good)
+    out["failing_export"] = failing_export(engine, workdir)
     engine.load_checkpoint(good)  # the old checkpoint still loads
     out["old_checkpoint_values_diff"] = float(
         (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_at_save)

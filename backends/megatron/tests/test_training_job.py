@@ -13,8 +13,8 @@ from critic_adapters.backends.megatron.tests.launch import worker_env
 from critic_adapters.common.metrics import read_metrics
 from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
                                                    run_pytest)
-from critic_adapters.common.tests.torchrun import (assert_resumed_run_follows, run_launcher_in_process,
-                                                   run_launcher_killed_after)
+from critic_adapters.common.tests.torchrun import (KILL_AFTER_STEP, assert_resumed_run_follows,
+                                                   run_launcher_in_process, run_launcher_killed_after)
 
 MODULE = "critic_adapters.backends.megatron.train"
 SHORT = SHORT_JOB
@@ -40,8 +40,8 @@ def _weights(run_dir):
     return load_file(os.path.join(run_dir, "hf_export", "model.safetensors"))
 
 
-def _killed_after_step_8(run_dir) -> None:
-    run_launcher_killed_after(MODULE, 8, "--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT)
+def _killed_mid_run(run_dir) -> None:
+    run_launcher_killed_after(MODULE, KILL_AFTER_STEP, "--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT)
 
 
 def test_the_job_learns_and_a_killed_run_resumes_identically_and_at_another_tensor_degree(tmp_path):
@@ -55,7 +55,7 @@ def test_the_job_learns_and_a_killed_run_resumes_identically_and_at_another_tens
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"
 
     same, other = tmp_path / "same-layout", tmp_path / "tp1"
-    _killed_after_step_8(same)
+    _killed_mid_run(same)
     shutil.copytree(same, other)  # the same killed run, resumed twice
     resumed = launch("--nproc", "2", f"trainer.run_dir={same}", *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]

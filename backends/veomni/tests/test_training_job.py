@@ -28,7 +28,7 @@ def test_the_job_learns_and_a_killed_run_resumes_identically_on_two_ranks_and_on
     losses = [r["value_loss"] for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"
     assert json.load(open(run_dir / "hf_export" / "config.json"))["architectures"] == ["Qwen2ForTokenClassification"]
-    # The 2-rank checkpoint of step 8, continued on a single process.
+    # The 2-rank checkpoint of step 16, continued on a single process.
     resumed = run_launcher("--nproc", "1", f"trainer.run_dir={one}", *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout and "over 1 data-parallel rank(s)" in resumed.stdout
