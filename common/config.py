@@ -56,6 +56,10 @@ class OptimConfig:
     lr_schedule: str = "constant"
     """constant or cosine (after warmup, down to min_lr_ratio * lr at total_steps)."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up; when > 0 it is the warm-up, whatever warmup_ratio says."""
+    warmup_ratio: float | None = None
+    """Warm-up as a share of total_steps (e.g. 0.1; the default job's), used while warmup_steps is 0:
+    it stays in proportion when a run is short."""
     min_lr_ratio: float = 0.0
     total_steps: int | None = None
     """Optimizer steps the cosine schedule spans; the trainer fills it in from the data when None."""
@@ -67,6 +71,19 @@ class OptimConfig:
             raise ValueError(f"engine.optim.lr_schedule={self.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
         if self.warmup_steps < 0:
             raise ValueError(f"engine.optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.warmup_ratio is not None:
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise ValueError(f"engine.optim.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up in optimizer steps (warmup_steps, else warmup_ratio of total_steps)."""
+        if self.warmup_steps or self.warmup_ratio is None:
+            return self.warmup_steps
+        if self.total_steps is None:
+            raise ValueError(f"engine.optim.warmup_ratio={self.warmup_ratio} needs engine.optim.total_steps (the "
+                             f"training job fills it in; an engine used on its own needs it set, or warmup_steps)")
+        return round(self.warmup_ratio * self.total_steps)
 
 
 LOSS_KINDS = ("mse", "hl_gauss")
@@ -106,14 +123,15 @@ class LossConfig:
             raise ValueError(f"engine.loss.agg_mode={self.agg_mode!r}: use one of {', '.join(AGG_MODES)}")
         if self.clip_range is not None and self.clip_range <= 0:
             raise ValueError(f"engine.loss.clip_range={self.clip_range} must be > 0, or null for no clipping")
-        if self.kind == "hl_gauss":
-            if self.clip_range is not None:
-                raise ValueError(f"engine.loss.clip_range={self.clip_range} does not apply to engine.loss.kind=hl_gauss "
-                                 f"(a value clip has no cross-entropy form): set engine.loss.clip_range=null")
+        if self.kind == "hl_gauss":  # every missing or wrong setting at once, not one per run
             h = self.hl_gauss
-            problem = support_problem(h.num_bins, h.min_value, h.max_value, h.sigma_ratio, prefix="engine.loss.hl_gauss.")
-            if problem:
-                raise ValueError(problem)
+            problems = [problem for problem in (
+                f"engine.loss.clip_range={self.clip_range} does not apply to engine.loss.kind=hl_gauss (a value clip "
+                f"has no cross-entropy form): set engine.loss.clip_range=null" if self.clip_range is not None else None,
+                support_problem(h.num_bins, h.min_value, h.max_value, h.sigma_ratio, prefix="engine.loss.hl_gauss."),
+            ) if problem]
+            if problems:
+                raise ValueError("; ".join(problems))
 
     @property
     def support(self) -> HLGaussSupport | None:

@@ -67,11 +67,7 @@ def attention_for(config: EngineConfig, padded: str | None = None) -> str | None
     explicit choice wins; packed rows use varlen flash-attention, else our per-sequence attention;
     padded rows `padded` (None: transformers' default)."""
     if config.parallel.ulysses > 1:
-        chosen = config.model.attn_implementation
-        if chosen not in (None, ulysses.ATTENTION_NAME):
-            raise ValueError(f"engine.model.attn_implementation={chosen!r} cannot split heads across ranks: with "
-                             f"engine.parallel.ulysses={config.parallel.ulysses} leave it unset (the engine uses "
-                             f"{ulysses.ATTENTION_NAME})")
+        ulysses.check_attention(config)
         return ulysses.register()
     if config.model.attn_implementation is not None:
         return config.model.attn_implementation

@@ -176,8 +176,7 @@ def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print)
     except ValueError as err:
         where = f" (--nproc {args.nproc})" if args.nproc is not None and "--nproc" not in str(err) else ""
         raise ValueError(f"{err}{where}") from None
-    writes_run_dir = not args.dry_run or config.engine.model.path.startswith("embedded:")
-    reason = unwritable_reason(config.trainer.run_dir) if writes_run_dir else None
+    reason = unwritable_reason(config.trainer.run_dir) if not args.dry_run else None  # a dry run writes nothing
     if reason:
         raise ValueError(f"trainer.run_dir={config.trainer.run_dir} is not writable: {reason}; choose another "
                          f"trainer.run_dir")

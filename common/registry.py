@@ -185,12 +185,27 @@ def model_critic_config(model: ModelConfig):
     return plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code).config
 
 
+def check_value_head(engine: EngineConfig) -> None:
+    """The checkpoint's head can become the head engine.loss asks for (an HL-Gauss head is not
+    trained as a scalar one, ...): CriticLoadError (a ValueError) otherwise, from config.json and
+    tensor headers, as load_critic would refuse it once the engine is built."""
+    model = engine.model
+    if model.path.startswith("embedded:"):  # a fresh random model: no head to keep
+        return
+    from .valuehead.load import check_head_change, plan_load
+
+    plan = plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code,
+                     value_head=engine.loss.support)
+    check_head_change(model.path, plan, model.fresh_head, model.init_from_scalar_head)
+
+
 def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
     """The world splits into engine.parallel's groups, the backend's check_layout (if any) accepts
-    the model under that layout, and engine.lora fits the model (common.lora.check_lora); ValueError
-    otherwise. Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
+    the model under that layout, the checkpoint's head fits engine.loss (check_value_head) and
+    engine.lora fits the model (common.lora.check_lora); ValueError otherwise. Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
     engine.parallel.data_parallel_size(world_size)
     spec = backend_spec(name)
+    check_value_head(engine)
     if spec.check_layout is None and not engine.lora.rank:
         return
     critic_config = model_critic_config(engine.model)

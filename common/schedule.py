@@ -11,16 +11,18 @@ from .config import OptimConfig
 
 def lr_multiplier(step: int, config: OptimConfig) -> float:
     """LR multiplier at optimizer step `step` (0-based)."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
+    warmup = config.warmup
+    if step < warmup:
+        return (step + 1) / warmup
     if config.lr_schedule == "constant":
         return 1.0
     total = config.total_steps
     assert total is not None, "cosine schedule needs optim.total_steps (the launcher fills it in)"
-    progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    config.warmup  # a warmup_ratio without total_steps is refused now, not at the first step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, config))

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import tempfile
 
 import torch
 
@@ -298,6 +299,11 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
         f"{trainer.epochs} epochs, mini-batch {mini} sequences over "
         f"{engine.data_parallel_ranks} data-parallel rank(s){_sequence_split_note(config.engine.parallel)}")
 
+    optim = config.engine.optim
+    if optim.warmup >= optim.total_steps:
+        say(f"warning: the warm-up ({optim.warmup} steps) is as long as the run's {optim.total_steps} steps, so the lr "
+            f"never reaches engine.optim.lr={optim.lr:g}: lower engine.optim.warmup_steps, or use "
+            f"engine.optim.warmup_ratio")
     position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if resuming:
         position = engine.load_checkpoint(latest)
@@ -459,13 +465,25 @@ def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
     from .valuehead.cli import inspect_checkpoint
 
     say = say if dist.is_main else (lambda *a, **k: None)
-    check_backend(config)
-    model_path = resolve_model_path(config.engine.model.path, os.path.abspath(config.trainer.run_dir), dist)
-    info = inspect_checkpoint(model_path, head_prefix=config.engine.model.head_prefix,
-                              trust_remote_code=config.engine.model.trust_remote_code)
-    say(f"model: {model_path}: {info['format']}, {info['family']} -> {info['critic_class']}, "
-        f"initialise {', '.join(info['would_initialise']) or 'nothing'}")
-    vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
+    check_backend(config)  # the layout: checked by the launcher, with the process count it would start
+    # A dry run writes nothing: an embedded model is made in a temporary directory (each rank its
+    # own), not in run_dir.
+    with tempfile.TemporaryDirectory(prefix="critic_dry_run_") as scratch:
+        model_path = config.engine.model.path
+        if model_path.startswith("embedded:"):
+            from .testdata import save_tiny_causal_lm
+
+            model_path = save_tiny_causal_lm(model_path.removeprefix("embedded:"), os.path.join(scratch, "model"))
+        info = inspect_checkpoint(model_path, head_prefix=config.engine.model.head_prefix,
+                                  trust_remote_code=config.engine.model.trust_remote_code)
+        shown = config.engine.model.path if model_path.startswith(scratch) else model_path
+        say(f"model: {shown}: {info['format']}, {info['family']} -> {info['critic_class']}, "
+            f"initialise {', '.join(info['would_initialise']) or 'nothing'}")
+        vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
+    lora = config.engine.lora
+    if lora.rank:
+        say(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)} (alpha {lora.alpha:g}); the head and the "
+            f"adapters train, the backbone is frozen")
     train, held_out = read_rollouts(config, vocab_size, max_positions, say)
     tokens = int(train.attention_mask.sum())
     say(f"rollouts: {len(train)} train ({tokens} tokens), {len(held_out)} held out; config OK")

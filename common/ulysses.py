@@ -105,9 +105,19 @@ def check_heads(num_heads: int, num_kv_heads: int, degree: int) -> None:
                          f"{num_kv_heads} or a multiple of it that divides {num_heads}")
 
 
+def check_attention(engine_config) -> None:
+    """With engine.parallel.ulysses > 1 the attention is ours (ATTENTION_NAME): another explicit
+    engine.model.attn_implementation is refused."""
+    chosen, degree = engine_config.model.attn_implementation, engine_config.parallel.ulysses
+    if degree > 1 and chosen not in (None, ATTENTION_NAME):
+        raise ValueError(f"engine.model.attn_implementation={chosen!r} cannot split heads across ranks: with "
+                         f"engine.parallel.ulysses={degree} leave it unset (the engine uses {ATTENTION_NAME})")
+
+
 def check_layout(model_config, engine_config, world_size: int) -> None:
     """A BackendSpec check_layout (fsdp, veomni): refuse, before any process starts, a Ulysses
-    degree the model's attention heads cannot be split by."""
+    degree the model's attention heads cannot be split by, or an attention that cannot split them."""
+    check_attention(engine_config)
     degree = engine_config.parallel.ulysses
     if degree > 1:
         heads = model_config.num_attention_heads

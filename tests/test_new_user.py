@@ -76,7 +76,7 @@ def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
     config = printed_config(launch(MEGATRON, lr_only_yaml(tmp_path), "--print-config"))
     engine = config["engine"]
     assert engine["optim"]["lr"] == 1e-4                                   # the user's file
-    assert engine["optim"]["lr_schedule"] == "cosine" and engine["optim"]["warmup_steps"] == 10  # the default job's
+    assert engine["optim"]["lr_schedule"] == "cosine" and engine["optim"]["warmup_ratio"] == 0.1  # the default job's
     assert engine["batching"]["micro_batch_tokens"] == 2048 and engine["parallel"]["tensor"] == 2
     assert config["trainer"]["run_dir"] == "outputs/megatron-default"
     (tmp_path / "second.yaml").write_text("engine:\n  optim:\n    lr: 3.0e-4\n    warmup_steps: 2\n")
@@ -313,6 +313,32 @@ def test_13_small_ones(tmp_path):
         assert "valuehead demo" in f.read()
     dry = launch(FSDP, "--dry-run", f"trainer.run_dir={tmp_path / 'run'}")
     assert "initialise score.weight (fresh head), score.bias (zero)" in dry.stdout and "['" not in dry.stdout
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing, not even the embedded model
+
+
+# Issue 27, 4.3 and 4.5: a dry run refuses what the launch would refuse, and neither writes anything.
+def test_27_dry_runs_refuse_what_launches_refuse_before_anything_is_written(tmp_path):
+    import torch
+
+    from critic_adapters.common.hl_gauss import HLGaussSupport
+    from critic_adapters.common.testdata import tiny_config
+    from critic_adapters.common.valuehead import save_critic
+    from critic_adapters.common.valuehead.config import critic_class, critic_config
+
+    config = critic_config(tiny_config("qwen2"), value_head=HLGaussSupport(num_bins=11, min_value=-1.0, max_value=1.0,
+                                                                          sigma_ratio=0.75))
+    torch.manual_seed(0)
+    save_critic(critic_class(config)(config), str(tmp_path / "hl_gauss_critic"))
+    cases = {
+        "hl-gauss-as-mse": ([f"engine.model.path={tmp_path / 'hl_gauss_critic'}"], "holds an HL-Gauss head"),
+        "ulysses-eager": (["engine.parallel.ulysses=2", "engine.model.attn_implementation=eager"],
+                          "engine.model.attn_implementation='eager' cannot split heads across ranks"),
+    }
+    for name, (args, message) in cases.items():
+        run_dir = tmp_path / name
+        for flags in (["--dry-run"], ["--nproc", "2"]):  # refused in this process: no worker starts
+            refused(launch(FSDP, *flags, *args, *TINY, f"trainer.run_dir={run_dir}"), message)
+            assert not run_dir.exists(), (name, flags, sorted(os.listdir(run_dir)))
 
 
 def test_13_the_nan_hint_names_the_real_module():

@@ -57,8 +57,9 @@ if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$stamp" ]; then
     2>&1 | grep -v "^WARNING: Location" || true
   (cd / && "$OLDPWD/.venv/bin/python" -c "import critic_adapters.common.valuehead") \
     || { log "critic_adapters does not import from the venv: the editable install above failed"; exit 1; }
+  # stdout dropped: VeOmni prints a banner when imported (errors still go to stderr).
   .venv/bin/python -c "import torch, transformers, trl, safetensors, omegaconf, pyarrow, runfiles, psutil, veomni, ray" \
-    || { log "the venv is incomplete: an install above failed"; exit 1; }
+    >/dev/null || { log "the venv is incomplete: an install above failed"; exit 1; }
   echo "$stamp" > .venv/.setup-stamp
 else
   log ".venv is up to date"
@@ -88,7 +89,7 @@ if [ "$(cat "$target/.complete" 2>/dev/null)" != "$verl_stamp" ]; then
   # verl's wheel also installs top-level `tests` and `scripts` packages: removed, so they shadow nothing.
   rm -rf "$target/tests" "$target/scripts" "$target/bin"
   PYTHONPATH="$PWD/$target" .venv/bin/python -c "import verl, tensordict, transformers; assert transformers.__version__ == '5.10.4'" \
-    2>/dev/null || { log "the verl overlay does not import"; exit 1; }
+    >/dev/null 2>&1 || { log "the verl overlay does not import"; exit 1; }
   echo "$verl_stamp" > "$target/.complete"
 fi
 log "ready: .venv ($(.venv/bin/python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"

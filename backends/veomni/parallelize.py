@@ -115,7 +115,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig):
     """
     from veomni.optim import build_lr_scheduler as veomni_build_lr_scheduler
 
-    warmup = optim.warmup_steps
+    warmup = optim.warmup
     if optim.lr_schedule == "cosine":
         assert optim.total_steps is not None, "cosine schedule needs optim.total_steps (the launcher fills it in)"
         total = optim.total_steps

@@ -9,7 +9,9 @@ code, not an error of the run). Inside `veomni_output()`:
   - VeOmni's log records below WARNING are dropped, and its handler writes to stderr;
   - the two warnings above are dropped (for zero tensors: biases only; a zero weight is still reported);
   - the auto_docstring lines are dropped from stdout (everything else printed passes through);
-  - transformers' own warnings below ERROR (VeOmni passes the deprecated `torch_dtype`) are off.
+  - transformers' own warnings below ERROR (VeOmni passes the deprecated `torch_dtype`) are off;
+  - VeOmni's "Loading checkpoint shards" bar is not drawn: the shards are the engine's own staging
+    copy of the critic, read once per build (the engine reports the load itself).
 Everything is put back when the block ends: no process-wide logging or warning state changes.
 VEOMNI_VERBOSITY, when the user sets it, is honoured (levels are left alone).
 """
@@ -74,6 +76,19 @@ def _import_veomni() -> None:
 
 
 @contextlib.contextmanager
+def _no_shard_bar():
+    """VeOmni's weight loader (veomni.models.module_utils) iterates the shards without its tqdm bar."""
+    from veomni.models import module_utils
+
+    bar = module_utils.tqdm
+    module_utils.tqdm = lambda iterable=None, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        module_utils.tqdm = bar
+
+
+@contextlib.contextmanager
 def veomni_output():
     """Inside the block VeOmni's output is as the module docstring says; re-entrant."""
     from ...common.valuehead._quiet import quiet_transformers
@@ -93,7 +108,7 @@ def veomni_output():
             handler.addFilter(noise)
             handler.setStream(sys.stderr)
         try:
-            with quiet_transformers():
+            with quiet_transformers(), _no_shard_bar():
                 yield
         finally:
             logger.setLevel(level)

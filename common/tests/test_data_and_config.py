@@ -107,5 +107,21 @@ def test_lr_schedules():
     assert lr_multiplier(12, cosine) == pytest.approx(0.1) and lr_multiplier(50, cosine) == pytest.approx(0.1)
 
 
+def test_the_default_jobs_warm_up_is_a_share_of_the_run_so_a_short_run_reaches_its_lr():
+    # Issue 27, 4.4: warmup_steps 10 kept a 4-step run at 0.4 of its lr.
+    import dataclasses
+
+    from critic_adapters.common.launcher import DEFAULT_JOB
+
+    optim = load_train_config([DEFAULT_JOB], []).engine.optim
+    for total, warmup in ((4, 0), (116, 12), (1000, 100)):
+        run = dataclasses.replace(optim, total_steps=total)
+        assert run.warmup == warmup
+        assert max(lr_multiplier(step, run) for step in range(total)) == pytest.approx(1.0)
+    assert dataclasses.replace(optim, warmup_steps=3, total_steps=4).warmup == 3  # warmup_steps, when set, wins
+    with pytest.raises(ValueError, match="warmup_ratio=0.1 needs engine.optim.total_steps"):
+        OptimConfig(warmup_ratio=0.1).warmup
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

@@ -276,7 +276,7 @@ def plan_load(path: str, *, config: PretrainedConfig | None = None, head_prefix:
     return LoadPlan(critic_cfg, index, detection, head, projections, stored)
 
 
-def _check_head_change(path: str, plan: LoadPlan, fresh_head: bool, init_from_scalar_head: bool) -> None:
+def check_head_change(path: str, plan: LoadPlan, fresh_head: bool, init_from_scalar_head: bool) -> None:
     """Refuse a head-kind change load_critic cannot make: an HL-Gauss head is never thrown away
     silently, and init_from_scalar_head needs an HL-Gauss critic and a scalar head to start from."""
     target, stored = support_of(plan.config), plan.stored_head
@@ -337,7 +337,7 @@ def load_critic(
     plan = plan_load(path, config=config, head_prefix=head_prefix, trust_remote_code=trust_remote_code,
                      value_head=value_head)
     critic_cfg, index, detection, head_attr = plan.config, plan.index, plan.detection, plan.head
-    _check_head_change(path, plan, fresh_head, init_from_scalar_head)
+    check_head_change(path, plan, fresh_head, init_from_scalar_head)
     scalar_source = detection if plan.head_changes and init_from_scalar_head else None
     # A head of another kind is not loaded: the checkpoint's is read aside (and used by from_scalar).
     new_head = fresh_head or plan.head_changes

@@ -29,6 +29,21 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> No
     _STARTED["local"] = True
 
 
+def check_fits(num_workers: int, resources: dict) -> None:
+    """ValueError unless the cluster has, in all, `num_workers` times `resources` (per worker): a
+    placement group it can never place would otherwise wait for resources that never come."""
+    import ray
+
+    total = ray.cluster_resources()
+    short = {name: amount for name, amount in resources.items() if amount and num_workers * amount > total.get(name, 0)}
+    if short:
+        asked = ", ".join(f"{amount:g} {name}" for name, amount in short.items())
+        has = ", ".join(f"{total.get(name, 0):g} {name}" for name in short)
+        raise ValueError(f"{num_workers} workers of {asked} asked, the cluster has {has} in all: start fewer workers "
+                         f"(--nproc), reserve less per worker (--cpus-per-worker / --gpus-per-worker), or join a "
+                         f"bigger cluster (--address)")
+
+
 def started_locally() -> bool:
     """The cluster is one this process started on loopback (its workers' rendezvous uses 127.0.0.1),
     or one whose only node is this machine's loopback."""

@@ -57,7 +57,7 @@ class RayCriticGroup:
         from ray.util.placement_group import placement_group
 
         from ...common.registry import check_engine_config, check_layout
-        from .cluster import ensure_ray, started_locally
+        from .cluster import check_fits, ensure_ray, started_locally
 
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy={placement_strategy!r}; use one of {', '.join(PLACEMENT_STRATEGIES)}")
@@ -71,6 +71,7 @@ class RayCriticGroup:
         model = dataclasses.replace(engine_config.model, path=_absolute(engine_config.model.path))
         engine_config = dataclasses.replace(engine_config, model=model)
         ensure_ray()
+        check_fits(num_workers, resources)
         self.backend, self.config, self.num_workers = backend, engine_config, num_workers
         self.error_grace_s = error_grace_s
         self.actors, self._closed = [], False

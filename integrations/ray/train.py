@@ -39,7 +39,7 @@ def run_on_ray_group(args: argparse.Namespace, config) -> int:
     from ...common.distributed import DistContext
     from ...common.launcher import fail, say
     from ...common.trainer import run_training
-    from .cluster import ensure_ray, shutdown_ray
+    from .cluster import check_fits, ensure_ray, shutdown_ray
     from .group import RayCriticGroup
 
     num_workers = args.nproc or config.engine.parallel.model_parallel_size
@@ -54,6 +54,7 @@ def run_on_ray_group(args: argparse.Namespace, config) -> int:
     driver = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     try:
         ensure_ray(args.address)
+        check_fits(num_workers, resources)  # before run_dir is written
         run_training(config, driver, engine_builder=group, world_size=num_workers)
     except BaseException as err:  # noqa: BLE001 - reported as the torchrun job reports it
         return fail(err, None)

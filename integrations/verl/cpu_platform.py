@@ -111,7 +111,31 @@ def use_cpu_platform() -> None:
     """Make verl run on CPU in this process (see the module docstring)."""
     from verl.plugin.platform import set_platform
 
+    from .plugin import after_import
+
     set_platform(cpu_platform())
+    after_import("verl.utils.distributed", _gloo_process_groups)
+
+
+def _gloo_process_groups(module) -> None:
+    """verl.utils.distributed joins the process group with the backend `cpu:gloo,<device>:<backend>`:
+    on the CPU platform that is `cpu:gloo,cpu:gloo`, which torch refuses ("Duplicate device type
+    cpu"). Its two functions get plain `gloo` instead (an explicit backend is kept)."""
+    ray_variant = module.initialize_global_process_group_ray
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return ray_variant(timeout_second=timeout_second, backend=backend or "gloo")
+
+    def initialize_global_process_group(timeout_second=36000):
+        import datetime
+
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_second),
+                                                 init_method=os.environ.get("DIST_INIT_METHOD", None))
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # as verl's
+
+    module.initialize_global_process_group_ray = initialize_global_process_group_ray
+    module.initialize_global_process_group = initialize_global_process_group
 
 
 def install_if_no_accelerator() -> bool:

@@ -29,37 +29,46 @@ def _register_now() -> None:
     register()
 
 
-class _LoaderThenRegister(importlib.abc.Loader):
-    """verl's own loader of verl.workers.engine, followed by our registration."""
+class _LoaderThen(importlib.abc.Loader):
+    """A module's own loader, followed by `then(module)`."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, then):
+        self._loader, self._then = loader, then
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _register_now()
+        self._then(module)
 
 
-class _RegisterWhenVerlEnginesLoad(importlib.abc.MetaPathFinder):
+class _AfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != ENGINE_PACKAGE:
+        if fullname != self.name:
             return None
-        sys.meta_path.remove(self)  # once: the other finders below find verl's own spec
+        sys.meta_path.remove(self)  # once: the other finders below find the module's own spec
         for finder in sys.meta_path:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                spec.loader = _LoaderThenRegister(spec.loader)
+                spec.loader = _LoaderThen(spec.loader, self.then)
                 return spec
         return None
+
+
+def after_import(name: str, then) -> None:
+    """then(module) once module `name` has been imported: now, if it has been; else right after the
+    process imports it (the import itself is left to the process). Idempotent per name."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    elif not any(isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 def register_when_verl_engines_load() -> None:
     """Register CriticAdaptersEngine with verl's EngineRegistry once verl imports its engines (now,
     if it has); idempotent."""
-    if ENGINE_PACKAGE in sys.modules:
-        _register_now()
-    elif not any(isinstance(finder, _RegisterWhenVerlEnginesLoad) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWhenVerlEnginesLoad())
+    after_import(ENGINE_PACKAGE, lambda module: _register_now())

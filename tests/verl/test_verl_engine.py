@@ -6,6 +6,7 @@ the same weights, a checkpoint resumes bit-identically, and critics from other f
 with their heads."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -235,6 +236,17 @@ def test_the_engine_config_maps_verls_keys_and_refuses_what_does_not_fit(critic_
     assert errors["backend"] == "critic.fsdp.critic_adapters_backend='deepspeed': use one of fsdp, megatron, veomni"
     assert errors["schedule"].startswith("critic.optim.lr_scheduler_type='wsd'")
 
+
+
+def test_the_readme_verl_example_runs_on_cpu_with_nothing_set_up_by_hand(tmp_path):
+    # Issue 27, 4.2: TrainingWorker failed with "Duplicate device type cpu in backend string" (cpu:gloo,cpu:gloo).
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert "examples/critic_in_verl.py" in f.read()
+    result = subprocess.run([sys.executable, os.path.join(REPO, "examples", "critic_in_verl.py")], env=overlay_env(),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = re.search(r"squared error to the returns ([\d.]+) before the update, ([\d.]+) after", result.stdout)
+    assert errors and float(errors[2]) < float(errors[1]), result.stdout[-2000:]
 
 if __name__ == "__main__":
     run_pytest(__file__)

@@ -53,8 +53,8 @@ import torch  # noqa: E402
 
 import critic_adapters.integrations.verl as ours  # noqa: E402  (registers the engine; CPU platform)
 
-torch.distributed.init_process_group("gloo")
-RANK, WORLD = torch.distributed.get_rank(), torch.distributed.get_world_size()
+# The process group is verl's to create (TrainingWorker does, through our CPU platform: plain gloo).
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 import verl.utils.model as verl_model_utils  # noqa: E402
 

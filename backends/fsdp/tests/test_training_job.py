@@ -62,7 +62,7 @@ def test_the_value_clip_bounds_a_ppo_iteration_not_the_whole_run(tmp_path, old_v
     result = run_launcher(
         "--nproc", "1", f"data.train_path={_far_returns_file(tmp_path / 'far.jsonl', old_values=old_values)}",
         "data.mini_batch_size=16", "data.rollout_batch_size=32", "trainer.epochs=1", "engine.optim.lr=1e-2",
-        "engine.optim.warmup_steps=0", "trainer.export_hf=false", f"trainer.run_dir={run_dir}", *SHORT[-3:])
+        "engine.optim.warmup_ratio=0", "trainer.export_hf=false", f"trainer.run_dir={run_dir}", *SHORT[-3:])
     assert result.returncode == 0, result.stderr[-4000:]
     held_out = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "eval"][-1]
     rmse = (2 * held_out["value_loss"]) ** 0.5  # the values' distance from the returns (3.0); about 3 at the start

@@ -28,6 +28,15 @@ def test_the_job_learns_on_a_ray_group_and_a_killed_run_resumes_to_identical_wei
     assert final_explained_variance(result.stdout) >= 0.5
 
 
+def test_more_workers_than_the_cluster_can_hold_is_refused_at_once_and_writes_nothing(tmp_path):
+    # Issue 27, 4.1: the placement group waited forever, silently, and run_dir was written.
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", MODULE, "--num-workers", "64", f"trainer.run_dir={run_dir}"],
+                            env=ray_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(r"error: 64 workers of 1 CPU asked, the cluster has \d+ CPU in all", result.stderr), result.stderr
+    assert "starting 64 Ray worker(s)" not in result.stdout and not run_dir.exists()
+
 def test_the_example_ppo_loop_runs_and_its_critic_learns(tmp_path):
     import critic_adapters
 
