@@ -7,8 +7,9 @@ steps) run with engine.loss.kind=mse and =hl_gauss, on two rollout sets:
                  degrees of freedom (scale 0.5) and a Student-t(2) noise of scale 0.05 per rollout:
                  most returns near 0, a few tasks far out
 
-MSE runs twice: as the default job has it (engine.loss.clip_range=0.5 around the initial critic's
-values) and unclipped (clip_range=null, as HL-Gauss, which has no clip). HL-Gauss takes its
+MSE runs twice: as the default job has it (engine.loss.clip_range=0.5 around the old values, which
+these rollouts lack: the job renews them from the current critic every data.rollout_batch_size
+rollouts) and unclipped (clip_range=null, as HL-Gauss, which has no clip). HL-Gauss takes its
 support from the rollout set's returns (their min and max; 51 bins, sigma_ratio 0.75): what a
 user without tuning would set. Everything else is the default job's. Reported per
 run: held-out explained variance and held-out RMSE of the values against the returns (the last
@@ -16,6 +17,7 @@ evaluation). Printed last (mse: the default job's clipped loss):
   hl_gauss vs mse held-out EV: <a> vs <b> (default data), <c> vs <d> (heavy-tailed)
 
   python -m critic_adapters.bench.value_learning [--backend fsdp] [--nproc 2] [--out FILE.json]
+                                                 [--sets default,heavy-tailed] [--losses mse,mse_unclipped,hl_gauss]
   bazel run //bench:value_learning -- ...
 """
 
@@ -115,7 +117,7 @@ def main(argv=None) -> None:
             low, high = return_range(records)
             support = [f"engine.loss.hl_gauss.min_value={low}", f"engine.loss.hl_gauss.max_value={high}"]
             data = [f"data.train_path={path}", f"data.num_rollouts={NUM_ROLLOUTS}", f"engine.seed={SEED}"]
-            variants = (("mse", []),  # the default job's loss: clipped at 0.5 around the initial values
+            variants = (("mse", []),  # the default job's loss: clipped at 0.5 around the renewed old values
                         ("mse_unclipped", ["engine.loss.clip_range=null"]),
                         ("hl_gauss", ["engine.loss.kind=hl_gauss", "engine.loss.clip_range=null", *support]))
             variants = [(kind, loss) for kind, loss in variants if kind in args.losses.split(",")]

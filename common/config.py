@@ -334,7 +334,8 @@ class TrainerConfig:
     resume: bool = False
     """Continue from the latest checkpoint in run_dir (an error if there is none)."""
     export_hf: bool = True
-    """Write run_dir/hf_export as a plain *ForTokenClassification at the end."""
+    """Write run_dir/hf_export as a plain *ForTokenClassification at the end (a LoRA critic merged),
+    and, with LoRA, run_dir/hf_export_adapter as a peft adapter of engine.model.path."""
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True

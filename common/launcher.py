@@ -293,5 +293,16 @@ def fail(err: BaseException, dist) -> int:
     if dist is not None:
         from .distributed import shutdown
 
+        _drop_frames(err)  # what failed may hold process groups in its frames' locals (a half-built engine's mesh)
         shutdown()
     return code
+
+
+def _drop_frames(err: BaseException | None) -> None:
+    """Clear the locals of the finished frames in `err`'s tracebacks (and its causes'), so that what
+    they referenced can be freed before the process group is torn down."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__

@@ -3,9 +3,10 @@
   load and validate rollouts -> build the engine -> old values (and GAE returns) from the initial
   critic -> epochs of shuffled mini-batches, each rank taking its share -> held-out evaluation
   after every epoch -> checkpoints, metrics, plot, HF export.
-Old values the rollouts did not bring are the current critic's predictions, refreshed at the start
-of every epoch (each epoch is one PPO iteration: the value clip is a trust region around the
-critic that starts it, not a cap around the initial one); old values given in the data stay as given.
+Old values the rollouts did not bring are the current critic's predictions, renewed at the start
+of every PPO iteration (data.rollout_batch_size rollouts of an epoch's order: the value clip is a
+trust region around the critic that starts the iteration, not a cap around the initial one); old
+values given in the data stay as given.
 Resuming restores the engine and the data position; everything that was derived from the initial
 critic is kept in run_dir/prepared_rollouts.pt and the epoch's refreshed old values in the
 checkpoint, so a resumed run ends bit-identical to an uninterrupted one.
@@ -293,8 +294,11 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     say(str(engine.load_report))
     trainable, total = engine.parameter_counts()
     say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    if config.engine.lora.rank:
+        say(lora_line(config.engine.lora))
+    exports = (", hf_export/" + (", hf_export_adapter/" if config.engine.lora.rank else "")) if trainer.export_hf else ""
     say(f"run dir: {run_dir} (metrics.jsonl{', tensorboard/' if trainer.tensorboard else ''}, checkpoints/"
-        f"{', hf_export/' if trainer.export_hf else ''}{', training.png' if trainer.plot else ''})")
+        f"{exports}{', training.png' if trainer.plot else ''})")
     say(f"rollouts: {len(train)} train, {len(held_out)} held out; {steps_per_epoch} steps/epoch x "
         f"{trainer.epochs} epochs, mini-batch {mini} sequences over "
         f"{engine.data_parallel_ranks} data-parallel rank(s){_sequence_split_note(config.engine.parallel)}")
@@ -351,6 +355,11 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
             say(f"exported {export_dir} (load it with transformers.AutoModelForTokenClassification)")
         else:  # plain transformers would give its bin logits
             say(f"exported {export_dir} (an HL-Gauss critic: load it with common.valuehead.load_critic for its values)")
+        if config.engine.lora.rank:
+            adapter_dir = os.path.join(run_dir, "hf_export_adapter")
+            engine.export_adapter(adapter_dir)
+            say(f"exported {adapter_dir} (the LoRA adapter and the head: peft.PeftModel.from_pretrained onto the "
+                f"base model, {engine.config.model.path})")
     metrics_log.close()
     say(f"metrics: {metrics_log.path}" + (f", TensorBoard logs: {os.path.join(run_dir, 'tensorboard')}"
                                           if trainer.tensorboard else ""))
@@ -406,7 +415,10 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
                 _save(engine, ckpt_root, step, state, trainer.keep_last, main, say)
         held = evaluate(engine, held_out, config, dist)
         metrics_log.log(step, held, prefix="eval", epoch=epoch + 1)
-        say(f"epoch {epoch + 1}/{trainer.epochs}: train loss {metrics['value_loss']:.4f}, held-out loss "
+        # Like with like: with HL-Gauss the train loss is a cross-entropy, the held-out loss an MSE.
+        losses = (f"train loss {metrics['value_loss']:.4f}" if config.engine.loss.support is None else
+                  f"train cross-entropy {metrics['value_loss']:.4f}, train mse {metrics['mse']:.4f}")
+        say(f"epoch {epoch + 1}/{trainer.epochs}: {losses}, held-out {'loss' if config.engine.loss.support is None else 'mse'} "
             f"{held['value_loss']:.4f}, held-out explained_variance {held['explained_variance']:.3f}")
     return step
 
@@ -426,6 +438,11 @@ def _restore_old_values(train: Rollouts, rows: torch.Tensor, position: dict) -> 
     old = torch.zeros(mask.shape, dtype=torch.float32)
     old[mask] = saved.to(torch.float32)
     train.old_values[rows] = old
+
+
+def lora_line(lora) -> str:
+    return (f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)} (alpha {lora.alpha:g}): the adapters and the "
+            f"head train, the backbone is frozen")
 
 
 def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
@@ -480,10 +497,8 @@ def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
         say(f"model: {shown}: {info['format']}, {info['family']} -> {info['critic_class']}, "
             f"initialise {', '.join(info['would_initialise']) or 'nothing'}")
         vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
-    lora = config.engine.lora
-    if lora.rank:
-        say(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)} (alpha {lora.alpha:g}); the head and the "
-            f"adapters train, the backbone is frozen")
+    if config.engine.lora.rank:
+        say(lora_line(config.engine.lora))
     train, held_out = read_rollouts(config, vocab_size, max_positions, say)
     tokens = int(train.attention_mask.sum())
     say(f"rollouts: {len(train)} train ({tokens} tokens), {len(held_out)} held out; config OK")

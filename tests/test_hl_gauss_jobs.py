@@ -6,12 +6,14 @@ trains): one kill and resume per backend checks both features' checkpoints (for 
 adapters, the head and their optimizer state)."""
 
 import os
+import re
 
 import pytest
 import torch
 
 from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
-from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, run_launcher
+from critic_adapters.common.tests.torchrun import (assert_killed_run_resumes_identically, run_launcher,
+                                                   run_launcher_in_process)
 from critic_adapters.common.valuehead import compute_values, load_critic
 
 BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
@@ -38,6 +40,12 @@ def test_the_default_job_learns_with_an_hl_gauss_critic(backend, tmp_path):
     with torch.no_grad():
         values = compute_values(critic, ids, torch.ones_like(ids))
     assert values.shape == (1, 6) and float(values.abs().max()) <= 1.5
+    # Issue 27, 4.8: like beside like (a cross-entropy was printed beside an MSE); inspect names the bins.
+    assert re.search(r"epoch 1/\d: train cross-entropy [\d.]+, train mse [\d.]+, held-out mse [\d.]+",
+                     result.stdout), result.stdout[-2000:]
+    inspected = run_launcher_in_process("critic_adapters.common.valuehead.cli", "inspect", str(run_dir / "hf_export"))
+    assert "num_labels=51, an HL-Gauss head" in inspected.stdout and "num_labels=1" not in inspected.stdout, \
+        inspected.stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

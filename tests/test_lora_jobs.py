@@ -7,10 +7,12 @@ per backend for both."""
 import os
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from critic_adapters.common.tests.helpers import final_explained_variance, run_pytest
 from critic_adapters.common.tests.torchrun import run_launcher
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 BACKENDS = ("fsdp", "megatron", "veomni")  # megatron's default job runs at TP 2, the others at DP 2
 LORA = ["engine.lora.rank=16"]
@@ -32,6 +34,15 @@ def test_the_default_job_learns_with_a_lora_critic(backend, tmp_path):
     counts = [line for line in result.stdout.splitlines() if line.startswith("parameters: ")]
     assert counts == ["parameters: 32,833 trainable of 171,137 (19.19%)"], counts  # the same critic everywhere
     assert final_explained_variance(result.stdout) >= 0.5
+    # Issue 27, 4.7: the run says it is a LoRA run, and writes the adapter beside the merged critic.
+    assert "LoRA rank 16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in result.stdout
+    run_dir = tmp_path / "run"
+    merged, _ = load_critic(str(run_dir / "hf_export"))
+    adapted, _ = load_critic(str(run_dir / "embedded-qwen2"), adapter_path=str(run_dir / "hf_export_adapter"))
+    ids = torch.tensor([[1, 12, 500, 501, 502, 503]])
+    with torch.no_grad():
+        diff = (compute_values(merged, ids, torch.ones_like(ids)) - compute_values(adapted, ids, torch.ones_like(ids)))
+    assert float(diff.abs().max()) <= 1e-5, "the adapter on its base is not the merged critic"
 
 
 if __name__ == "__main__":

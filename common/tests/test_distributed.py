@@ -97,5 +97,34 @@ def test_a_rank_that_fails_alone_makes_every_rank_raise_its_message_within_the_t
     assert ranks[0]["inside"]["seconds"] >= TIMEOUT_S * 0.9  # it did wait in the collective, until the timeout
 
 
+
+FAILED_WHILE_HOLDING_A_GROUP = """
+import warnings
+import torch.distributed as td
+from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.launcher import fail
+dist = init_distributed()
+def build():
+    group = td.new_group([0])  # what a half-built engine's mesh holds when it is refused
+    raise ValueError("refused while building")
+try:
+    build()
+except ValueError as err:
+    warnings.simplefilter("error")  # the gloo-thread RuntimeWarning of shutdown() becomes an error
+    raise SystemExit(fail(err, dist))
+"""
+
+
+def test_a_refused_launch_closes_what_it_opened_with_no_warning():
+    # Issue 27, 4.10: the error's traceback kept a process group alive through shutdown().
+    import subprocess
+    import sys
+
+    from critic_adapters.common.tests.torchrun import worker_env
+
+    result = subprocess.run([sys.executable, "-c", FAILED_WHILE_HOLDING_A_GROUP], env=worker_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "error: refused while building", result.stderr
+
 if __name__ == "__main__":
     run_pytest(__file__)

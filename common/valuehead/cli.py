@@ -44,7 +44,9 @@ def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remot
     return {
         "path": path,
         "format": detection.format,
-        "description": detection.description,
+        # The format's text says num_labels=1; an HL-Gauss head has a logit per bin.
+        "description": detection.description if plan.stored_head is None else detection.description.replace(
+            "num_labels=1", f"num_labels={plan.stored_head.num_bins}, an HL-Gauss head"),
         "storage": detection.storage,
         "family": config.model_type,
         "critic_class": critic_class(config).__name__,
