@@ -9,6 +9,7 @@ killed by a signal, which could not speak for itself, gets a line here.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 
@@ -18,6 +19,22 @@ def main(args: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    # torchrun's agent logs "Sending process N closing signal SIGTERM" and "failed (exitcode: 2)"
+    # after the worker's own one-line error; its loggers took their level (LOGLEVEL) when torch
+    # imported them, before the launcher could set it.
+    elastic = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    levels = [logger.level for logger in elastic]
+    for logger in elastic:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        return _run(torchrun_main, args, ChildFailedError, SignalException)
+    finally:
+        for logger, level in zip(elastic, levels):
+            logger.setLevel(level)
+
+
+def _run(torchrun_main, args, ChildFailedError, SignalException) -> int:
     try:
         torchrun_main(args)
     except ChildFailedError as err:

@@ -39,6 +39,14 @@ def test_a_failure_on_one_rank_ends_every_rank_promptly_with_its_message(tmp_pat
     assert elapsed < 120, f"took {elapsed:.0f} s"
 
 
+def test_an_export_failing_on_the_writing_rank_ends_the_job_with_its_message_alone(tmp_path):
+    # Issue 27, 2: rank 0 writes the export and fails; rank 1, waiting for it, raises with its message.
+    (tmp_path / "hf_export").write_text("a file where the export goes")
+    result = run_launcher("--nproc", "2", f"trainer.run_dir={tmp_path}", *TINY, timeout=240)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'hf_export'} exists and is not a directory"], \
+        result.stderr[-3000:]  # one line: no torchrun report after it
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
