@@ -26,7 +26,7 @@ from . import checkpoints
 from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
 from .data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
                    validate_records)
-from .distributed import DistContext, all_gather_object, barrier, world_group
+from .distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from .engine import RolloutBatch, shift_to_tokens
 from .registry import build_engine, check_engine_config, check_layout
 from .loss import explained_variance
@@ -204,29 +204,32 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
 
     # Read-only checks first: a refused run changes nothing in run_dir. A run in progress there is
     # named first: what it has written so far (checkpoints) would otherwise be reported instead.
-    if main:
-        check_not_in_use(run_dir)
-    latest = checkpoints.find_latest(ckpt_root)
-    if trainer.resume and latest is None:
-        raise ValueError(f"--resume: no complete checkpoint in {ckpt_root}; run without --resume to start fresh")
-    if not trainer.resume and latest is not None:
-        raise ValueError(f"{run_dir} already holds checkpoints ({os.path.basename(latest)}); pass --resume to "
-                         f"continue that run, or choose another trainer.run_dir")
-    prepared_file = os.path.join(run_dir, PREPARED)
-    resuming = trainer.resume
-    if resuming and not os.path.isfile(prepared_file):
-        raise ValueError(f"--resume: {prepared_file} is missing, so the run's old values and returns cannot be "
-                         f"restored; resume in the run_dir the checkpoint came from")
-    saved = _check_resume_config(config, run_dir, say) if resuming else None
-    if resuming:
-        prepared = torch.load(prepared_file, weights_only=True)
-        train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
-        refresh = bool(prepared.get("refresh_old_values", False))  # False: a run from before the refresh
-    else:
-        vocab_size, max_positions = model_limits(config.engine.model.path, config.engine.model.trust_remote_code)
-        train, held_out = read_rollouts(config, vocab_size, max_positions, say)
-        # Old values only centre the value clip: without one (clip_range null, HL-Gauss) they are not renewed.
-        refresh = train.old_values is None and config.engine.loss.clip_range is not None
+    # Every rank makes them (some on rank 0 only) and all agree on the outcome: a rank refused alone
+    # would leave the others waiting for it in the engine's first collective.
+    with one_outcome("checking the run", group=world_group(), timeout_s=config.engine.collective_timeout_s):
+        if main:
+            check_not_in_use(run_dir)
+        latest = checkpoints.find_latest(ckpt_root)
+        if trainer.resume and latest is None:
+            raise ValueError(f"--resume: no complete checkpoint in {ckpt_root}; run without --resume to start fresh")
+        if not trainer.resume and latest is not None:
+            raise ValueError(f"{run_dir} already holds checkpoints ({os.path.basename(latest)}); pass --resume to "
+                             f"continue that run, or choose another trainer.run_dir")
+        prepared_file = os.path.join(run_dir, PREPARED)
+        resuming = trainer.resume
+        if resuming and not os.path.isfile(prepared_file):
+            raise ValueError(f"--resume: {prepared_file} is missing, so the run's old values and returns cannot be "
+                             f"restored; resume in the run_dir the checkpoint came from")
+        saved = _check_resume_config(config, run_dir, say) if resuming else None
+        if resuming:
+            prepared = torch.load(prepared_file, weights_only=True)
+            train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
+            refresh = bool(prepared.get("refresh_old_values", False))  # False: a run from before the refresh
+        else:
+            vocab_size, max_positions = model_limits(config.engine.model.path, config.engine.model.trust_remote_code)
+            train, held_out = read_rollouts(config, vocab_size, max_positions, say)
+            # Old values only centre the value clip: without one (clip_range null, HL-Gauss) they are not renewed.
+            refresh = train.old_values is None and config.engine.loss.clip_range is not None
 
     # One run per run_dir (rank 0 holds the lock; if it cannot, it fails and takes the others down).
     with run_dir_lock(run_dir) if main else contextlib.nullcontext():

@@ -150,7 +150,8 @@ def test_6_a_clean_run_prints_no_warning_on_stdout(tmp_path, launcher, extra):
     noisy = [line for line in result.stdout.splitlines() if NOISE.search(line)]
     assert not noisy, "\n".join(noisy)
     known = ("UserWarning", "cache_position", "all-zero values", "Environment Variables", "torch_dtype",
-             "CUDA_DEVICE_MAX_CONNECTIONS", "cuda_graph_scope", "sequence parallelism support")
+             "CUDA_DEVICE_MAX_CONNECTIONS", "cuda_graph_scope", "sequence parallelism support",
+             "Loading checkpoint shards")  # VeOmni's bar over our own staging copy (issue 27, 3)
     assert not [k for k in known if k in result.stderr], result.stderr[-4000:]
     assert "final explained_variance=" in result.stdout
 
@@ -339,6 +340,10 @@ def test_27_dry_runs_refuse_what_launches_refuse_before_anything_is_written(tmp_
         for flags in (["--dry-run"], ["--nproc", "2"]):  # refused in this process: no worker starts
             refused(launch(FSDP, *flags, *args, *TINY, f"trainer.run_dir={run_dir}"), message)
             assert not run_dir.exists(), (name, flags, sorted(os.listdir(run_dir)))
+    # 4.7: the dry run says what a LoRA run trains.
+    dry = launch(FSDP, "--dry-run", "engine.lora.rank=8", "engine.lora.target_modules=[q_proj,v_proj]", *TINY,
+                 f"trainer.run_dir={tmp_path / 'lora'}")
+    assert dry.returncode == 0 and "LoRA rank 8 on q_proj, v_proj (alpha 16)" in dry.stdout, dry.stdout + dry.stderr
 
 
 def test_13_the_nan_hint_names_the_real_module():

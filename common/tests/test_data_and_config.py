@@ -92,6 +92,10 @@ def test_config_overrides_and_every_key_documented():
                                                    "engine.lora.rank=0 turns LoRA off"),
     ("data.rollout_batch_size=100", "data.rollout_batch_size=100 must be a multiple of data.mini_batch_size=64"),
     ("engine.collective_timeout_s=0", "engine.collective_timeout_s=0.0 must be > 0"),
+    # Issue 27, 4.8: every missing HL-Gauss setting in one message, not one per run.
+    ("engine.loss.kind=hl_gauss", "engine.loss.clip_range=0.5 does not apply to engine.loss.kind=hl_gauss (a value "
+                                  "clip has no cross-entropy form): set engine.loss.clip_range=null; "
+                                  "engine.loss.hl_gauss.min_value and engine.loss.hl_gauss.max_value are required"),
 ])
 def test_config_errors_name_the_key_as_the_user_writes_it(override, message):
     with pytest.raises(ValueError) as raised:
