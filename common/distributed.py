@@ -45,9 +45,6 @@ def process_group_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # engine.collective_timeout_s's default
-
-
 @contextlib.contextmanager
 def groups_time_out_after(seconds: float | None):
     """Process groups created inside take `seconds` as their timeout where the creator passes none
@@ -182,8 +179,9 @@ def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s
     count = _OUTCOMES[ranks] = _OUTCOMES.get(ranks, 0) + 1
     prefix = f"critic_adapters/outcome/{'-'.join(map(str, ranks))}/{count}/"
     store, me = distributed_c10d._get_default_store(), dist.get_rank()
-    mine = None if error is None else {"kind": _failure_kind(error), "message": f"{type(error).__name__}: {error}"
-                                       if _failure_kind(error) not in ("ValueError", "OSError") else str(error)}
+    kind = None if error is None else _failure_kind(error)
+    mine = None if error is None else {
+        "kind": kind, "message": str(error) if kind in ("ValueError", "OSError") else f"{type(error).__name__}: {error}"}
     store.set(prefix + str(me), json.dumps(mine))
     try:
         store.wait([prefix + str(r) for r in ranks], datetime.timedelta(seconds=2 * timeout_s))

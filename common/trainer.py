@@ -8,7 +8,7 @@ of every PPO iteration (data.rollout_batch_size rollouts of an epoch's order: th
 trust region around the critic that starts the iteration, not a cap around the initial one); old
 values given in the data stay as given.
 Resuming restores the engine and the data position; everything that was derived from the initial
-critic is kept in run_dir/prepared_rollouts.pt and the epoch's refreshed old values in the
+critic is kept in run_dir/prepared_rollouts.pt and the current PPO iteration's old values in the
 checkpoint, so a resumed run ends bit-identical to an uninterrupted one.
 """
 
@@ -34,7 +34,7 @@ from .metrics import MetricsLogger, plot_metrics
 from .run_lock import check_not_in_use, run_dir_lock
 
 PREPARED = "prepared_rollouts.pt"
-OLD_VALUES = "old_values"  # a checkpoint's extra state: the epoch's refreshed old values, response tokens only
+OLD_VALUES = "old_values"  # a checkpoint's extra state: the PPO iteration's old values, response tokens only
 
 
 class TrainingInterrupted(Exception):
@@ -121,7 +121,7 @@ def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.
 
 def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> Rollouts:
     """Fill in old values (the initial critic's predictions; refresh_old_values renews them every
-    epoch) and returns (GAE over the initial critic's values when given rewards)."""
+    PPO iteration) and returns (GAE over the initial critic's values when given rewards)."""
     if rollouts.old_values is None or rollouts.returns is None:
         predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
         check_model_values(predictions, rollouts.response_mask, config, "the initial critic's values")
@@ -377,7 +377,7 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
 def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts, position: dict,
             metrics_log: MetricsLogger, progress, say, steps_per_epoch: int, *, refresh: bool) -> int:
     """The training loop from `position` to the last epoch; returns the last global step. `refresh`:
-    the rollouts brought no old values, so each epoch starts by taking the current critic's."""
+    the rollouts brought no old values, so each PPO iteration starts by taking the current critic's."""
     trainer = config.trainer
     main = dist.is_main
     ckpt_root = os.path.join(os.path.abspath(trainer.run_dir), "checkpoints")
@@ -419,10 +419,12 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
         held = evaluate(engine, held_out, config, dist)
         metrics_log.log(step, held, prefix="eval", epoch=epoch + 1)
         # Like with like: with HL-Gauss the train loss is a cross-entropy, the held-out loss an MSE.
-        losses = (f"train loss {metrics['value_loss']:.4f}" if config.engine.loss.support is None else
-                  f"train cross-entropy {metrics['value_loss']:.4f}, train mse {metrics['mse']:.4f}")
-        say(f"epoch {epoch + 1}/{trainer.epochs}: {losses}, held-out {'loss' if config.engine.loss.support is None else 'mse'} "
-            f"{held['value_loss']:.4f}, held-out explained_variance {held['explained_variance']:.3f}")
+        if config.engine.loss.support is None:
+            losses = f"train loss {metrics['value_loss']:.4f}, held-out loss {held['value_loss']:.4f}"
+        else:
+            losses = (f"train cross-entropy {metrics['value_loss']:.4f}, train mse {metrics['mse']:.4f}, "
+                      f"held-out mse {held['value_loss']:.4f}")
+        say(f"epoch {epoch + 1}/{trainer.epochs}: {losses}, held-out explained_variance {held['explained_variance']:.3f}")
     return step
 
 
