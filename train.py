@@ -19,9 +19,7 @@ common/launcher.py.
 
 from __future__ import annotations
 
-import sys
-
-from .common.launcher import LauncherSpec, launch
+from .common.launcher import LauncherSpec, exit_process, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,4 +27,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -51,6 +51,21 @@ class LauncherSpec:
     trainer (the Ray launcher: the trainer drives a Ray worker group)."""
 
 
+def exit_process(code: int) -> None:
+    """End a launcher's process (`python -m ...train`, and each torchrun worker) with `code` once
+    its output is written, without the interpreter's teardown.
+
+    Everything the job writes is closed by then (checkpoints, export, metrics; the process group
+    is destroyed), so the teardown only frees torch's and transformers' modules: about a second per
+    process (measured, 2 CPU cores), paid by the launcher and every worker of every run."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
     first, _, rest = spec.doc.strip().partition("\n")
     parser = argparse.ArgumentParser(prog=f"python -m {spec.module}", description=first,

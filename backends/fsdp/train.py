@@ -4,9 +4,7 @@ The one launcher (python -m critic_adapters.train --backend fsdp; common/launche
 fixed: the same flags, keys and defaults.
 """
 
-import sys
-
-from ...common.launcher import LauncherSpec, launch
+from ...common.launcher import LauncherSpec, exit_process, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,4 +12,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -45,7 +45,7 @@ def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
     main = engine.dist.is_main
     with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group,
                            timeout_s=engine.config.collective_timeout_s) as staging:
-        with compat.cuda_to_cpu():
+        with compat.cuda_to_cpu(), compat.in_process_save_results():
             dist_checkpointing.save(state, staging)
         if main:
             save_trainer_state(staging, engine, extra_state)

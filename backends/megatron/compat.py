@@ -233,3 +233,25 @@ class _CudaToCpu(TorchFunctionMode):
 def cuda_to_cpu():
     """Context in which megatron's `device="cuda"` allocations land on cpu (nothing with CUDA)."""
     return _CudaToCpu() if cpu_mode() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def in_process_save_results():
+    """Around a synchronous `dist_checkpointing.save`: the write results travel through an
+    in-process queue instead of megatron's multiprocessing Manager queue.
+
+    megatron-core 0.16.1 (filesystem_async._get_write_results_queue) starts a spawned Manager
+    server the first time a rank saves, for async saves whose writer runs in another process. A
+    synchronous save puts and gets those results in the calling process, so the Manager only costs:
+    ~3.5 s to boot on the first save and as long again at interpreter exit, per rank (measured,
+    2 CPU cores). The GPU path is the same code, so this applies on every device."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous

@@ -6,9 +6,7 @@ Its default job runs at TP 2 (2 processes); `--nproc 4 engine.parallel.tensor=2
 engine.parallel.pipeline=2` or `engine.parallel.context=2` split it other ways.
 """
 
-import sys
-
-from ...common.launcher import LauncherSpec, launch
+from ...common.launcher import LauncherSpec, exit_process, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,4 +14,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

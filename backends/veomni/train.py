@@ -5,9 +5,7 @@ fixed: the same flags, keys and defaults.
 bazel run //backends/veomni:train -- --nproc 2 trainer.run_dir=/tmp/critic runs it from Bazel.
 """
 
-import sys
-
-from ...common.launcher import LauncherSpec, launch
+from ...common.launcher import LauncherSpec, exit_process, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,4 +13,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
