@@ -1,9 +1,10 @@
 """The training job with an HL-Gauss critic (`engine.loss.kind=hl_gauss`) through each backend's
-launcher, on 2 gloo processes: the default job learns; a run killed after a checkpoint resumes to
-bit-identical weights, and resuming it as a scalar (mse) critic is refused naming the key. The
-killed run is a LoRA critic with the HL-Gauss head (engine.lora.rank=16, as tests/test_lora_jobs.py
-trains): one kill and resume per backend checks both features' checkpoints (for LoRA, only the
-adapters, the head and their optimizer state)."""
+launcher, on 2 gloo processes: the default job learns; a run resumed from its step-16 checkpoint ends
+with bit-identical weights, and resuming it as a scalar (mse) critic is refused naming the key. The
+resumed run is a LoRA critic with the HL-Gauss head (engine.lora.rank=16, as tests/test_lora_jobs.py
+trains): one resume per backend checks both features' checkpoints (for LoRA, only the adapters, the
+head and their optimizer state). What a SIGKILL leaves behind is each backend's kill test's
+(backends/*/tests/test_training_job.py)."""
 
 import os
 import re
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
-from critic_adapters.common.tests.torchrun import (assert_killed_run_resumes_identically, run_launcher,
+from critic_adapters.common.tests.torchrun import (assert_resume_from_a_checkpoint_is_identical, run_launcher,
                                                    run_launcher_in_process)
 from critic_adapters.common.valuehead import compute_values, load_critic
 
@@ -49,18 +50,18 @@ def test_the_default_job_learns_with_an_hl_gauss_critic(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_killed_hl_gauss_lora_run_resumes_to_identical_weights(backend, tmp_path):
+def test_an_hl_gauss_lora_run_resumes_from_a_checkpoint_to_identical_weights(backend, tmp_path):
     args = ("--nproc", "2", *HL_GAUSS, "engine.lora.rank=16", *SHORT_JOB)
 
-    def refuses_resuming_as_mse(killed):  # one line naming the key, nothing written
-        before = sorted(os.listdir(killed / "checkpoints"))
-        refused = run_launcher(_module(backend), f"trainer.run_dir={killed}", *args, "engine.loss.kind=mse", "--resume")
+    def refuses_resuming_as_mse(run_dir):  # one line naming the key, nothing written
+        before = sorted(os.listdir(run_dir / "checkpoints"))
+        refused = run_launcher(_module(backend), f"trainer.run_dir={run_dir}", *args, "engine.loss.kind=mse", "--resume")
         assert refused.returncode != 0
         assert "engine.loss.kind: 'hl_gauss' in the run, 'mse' now" in refused.stderr, refused.stderr[-2000:]
-        assert sorted(os.listdir(killed / "checkpoints")) == before
+        assert sorted(os.listdir(run_dir / "checkpoints")) == before
 
-    result = assert_killed_run_resumes_identically(_module(backend), tmp_path, *args,
-                                                   before_resume=refuses_resuming_as_mse if backend == "fsdp" else None)
+    result = assert_resume_from_a_checkpoint_is_identical(_module(backend), tmp_path, *args,
+                                                          before_resume=refuses_resuming_as_mse if backend == "fsdp" else None)
     assert "parameters: 36,083 trainable of 174,387" in result.stdout, result.stdout[:2000]  # LoRA + a 51-bin head
 
 

@@ -1,7 +1,7 @@
 """The training job with a LoRA critic (`engine.lora.rank=16`) through each backend's launcher, on 2
-gloo processes: the default job learns. That a killed LoRA run resumes to bit-identical weights (its
+gloo processes: the default job learns. That a LoRA run resumes to bit-identical weights (its
 checkpoints hold only the adapters, the head and their optimizer state) is checked together with
-HL-Gauss's, on a LoRA critic with an HL-Gauss head (tests/test_hl_gauss_jobs.py): one killed run
+HL-Gauss's, on a LoRA critic with an HL-Gauss head (tests/test_hl_gauss_jobs.py): one resumed run
 per backend for both."""
 
 import os

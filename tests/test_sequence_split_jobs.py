@@ -1,8 +1,9 @@
 """The training job with each sequence split over 2 gloo processes, through each backend's launcher:
 Ulysses (`engine.parallel.ulysses=2`) on fsdp and veomni, context parallelism
-(`engine.parallel.context=2`) on megatron. The job learns; the same run killed after a checkpoint
-resumes to bit-identical weights; the killed run resumes on one process without the split too and
-ends where the uninterrupted split run ends (up to float summation order)."""
+(`engine.parallel.context=2`) on megatron. The job learns; the run resumed from its step-16 checkpoint
+ends with bit-identical weights; resumed from that checkpoint on one process without the split, it
+ends where the uninterrupted split run ends (up to float summation order). What a SIGKILL leaves
+behind is each backend's kill test's (backends/*/tests/test_training_job.py)."""
 
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
-from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, run_launcher
+from critic_adapters.common.tests.torchrun import assert_resume_from_a_checkpoint_is_identical, run_launcher
 
 # backend: (the split, the same layout without it)
 SPLITS = {"fsdp": (["engine.parallel.ulysses=2"], ["engine.parallel.ulysses=1"]),
@@ -25,13 +26,13 @@ def _module(backend: str) -> str:
 
 
 @pytest.mark.parametrize("backend", sorted(SPLITS))
-def test_the_job_learns_with_split_sequences_and_a_killed_run_resumes_identically_and_on_one_process(
+def test_the_job_learns_with_split_sequences_and_resumes_identically_and_on_one_process(
         backend, tmp_path):
     split, unsplit = SPLITS[backend]
     args = ("--nproc", "2", *split, *SHORT_JOB)
     one = tmp_path / "one"
-    result = assert_killed_run_resumes_identically(_module(backend), tmp_path, *args,
-                                                   before_resume=lambda killed: shutil.copytree(killed, one))
+    result = assert_resume_from_a_checkpoint_is_identical(_module(backend), tmp_path, *args,
+                                                          before_resume=lambda cut: shutil.copytree(cut, one))
     assert "1 data-parallel rank(s), each sequence split over 2 ranks" in result.stdout, result.stdout[:3000]
     assert final_explained_variance(result.stdout) >= 0.5
     resumed = run_launcher(_module(backend), f"trainer.run_dir={one}", *SHORT_JOB, "--nproc", "1", *unsplit, "--resume")

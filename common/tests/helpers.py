@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
@@ -71,11 +72,32 @@ def vocab_projection_watch(model: torch.nn.Module, vocab: int = VOCAB):
 
 
 def run_pytest(file: str) -> None:
-    """Entry point for Bazel py_test: run this file's tests with pytest and exit with its status."""
+    """Entry point for Bazel py_test: run this file's tests with pytest and exit with its status.
+    A target with `shard_count = N` runs every N-th test in each of its N shards (Bazel's test
+    sharding protocol), so that its slow cases spread over both of CI's test slots."""
     import pytest
 
+    plugins = []
+    if int(os.environ.get("TEST_TOTAL_SHARDS", "1")) > 1:
+        plugins.append(_BazelShard(int(os.environ["TEST_SHARD_INDEX"]), int(os.environ["TEST_TOTAL_SHARDS"])))
+        if os.environ.get("TEST_SHARD_STATUS_FILE"):  # tells Bazel this runner knows sharding
+            open(os.environ["TEST_SHARD_STATUS_FILE"], "a").close()
     # importlib mode: the test file is imported by path, its imports go through the package name.
-    sys.exit(pytest.main([file, "-q", "-p", "no:cacheprovider", "--import-mode=importlib", *sys.argv[1:]]))
+    status = pytest.main([file, "-q", "-p", "no:cacheprovider", "--import-mode=importlib", *sys.argv[1:]],
+                         plugins=plugins)
+    sys.exit(0 if plugins and status == pytest.ExitCode.NO_TESTS_COLLECTED else status)
+
+
+class _BazelShard:
+    """pytest plugin: keep the collected tests whose position is `index` modulo `total`."""
+
+    def __init__(self, index: int, total: int):
+        self.index, self.total = index, total
+
+    def pytest_collection_modifyitems(self, config, items):
+        kept = [item for i, item in enumerate(items) if i % self.total == self.index]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
 
 
 @contextlib.contextmanager
@@ -85,7 +107,6 @@ def read_only_dir(path: str):
     A normal user gets chmod 0555. Root ignores permission bits, so for root an empty read-only
     tmpfs is mounted over `path` instead (the test is skipped where mounting is not allowed).
     """
-    import os
     import subprocess
 
     import pytest
@@ -109,7 +130,6 @@ def read_only_dir(path: str):
 def tree_snapshot(path) -> dict:
     """{relative path: (size, mtime_ns)} of every file and directory under `path`: equal snapshots mean
     nothing was written there."""
-    import os
 
     out = {}
     for root, dirs, files in os.walk(path):
@@ -128,7 +148,6 @@ SHORT_JOB = ("data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs
 
 def assert_same_exported_weights(run_dir, other_run_dir) -> None:
     """The two runs' hf_export/model.safetensors hold the same tensors, bit for bit."""
-    import os
 
     from safetensors.torch import load_file
 

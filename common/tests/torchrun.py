@@ -116,6 +116,41 @@ def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, e
     return result
 
 
+def assert_resume_from_a_checkpoint_is_identical(launcher: str, run_root, *args: str, step: int = KILL_AFTER_STEP,
+                                                 env: dict | None = None, before_resume=None) -> subprocess.CompletedProcess:
+    """The whole run, and a copy of its run_dir cut back to the checkpoint of `step` (the later
+    checkpoints and the exports removed) then `--resume`d, end with bit-identical exports and the
+    same final explained variance (run_root/whole, /resumed): what a feature's checkpoint must hold.
+    One launch fewer than assert_killed_run_resumes_identically, for tests of a feature (LoRA, a
+    head, a sequence split); what a kill leaves behind (a held lock, a staging directory, metrics
+    past the checkpoint) is checked by each backend's kill test (backends/*/tests/test_training_job.py).
+    `before_resume(resumed_dir)` as there. Returns the whole run's result."""
+    import re
+    import shutil
+
+    from .helpers import assert_same_exported_weights, final_explained_variance
+
+    whole, resumed_dir = run_root / "whole", run_root / "resumed"
+    result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    shutil.copytree(whole, resumed_dir)
+    kept = f"step_{step:06d}"
+    assert (resumed_dir / "checkpoints" / kept).is_dir(), sorted(os.listdir(resumed_dir / "checkpoints"))
+    for name in os.listdir(resumed_dir / "checkpoints"):
+        if name > kept:
+            shutil.rmtree(resumed_dir / "checkpoints" / name)
+    for name in ("hf_export", "hf_export_adapter"):
+        shutil.rmtree(resumed_dir / name, ignore_errors=True)
+    if before_resume is not None:
+        before_resume(resumed_dir)
+    resumed = run_launcher(launcher, f"trainer.run_dir={resumed_dir}", *args, "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert re.search(rf"resumed from \S*{kept} at epoch \d+, step {step}\n", resumed.stdout), resumed.stdout[:3000]
+    assert_same_exported_weights(whole, resumed_dir)
+    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    return result
+
+
 def assert_resumed_run_follows(run_dir, whole_dir, *, steps: int, tolerance: float = 1e-4) -> None:
     """run_dir's train metrics (a killed run continued another way: other ranks, another layout)
     cover steps 1..`steps` and follow whole_dir's loss curve within `tolerance`."""
