@@ -340,6 +340,12 @@ def main():
         result = CHECKS[check](*args)
     torch.save(result, out_file if WORLD == 1 else f"{out_file}.rank{RANK}")
     torch.distributed.destroy_process_group()
+    # The result is written. verl's workers (and the megatron engine they hold) keep gloo groups
+    # whose threads can outlive the interpreter's teardown and abort the process ("terminate called
+    # without an active exception", seen once in CI on megatron-tp2): skip the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
