@@ -135,7 +135,10 @@ def test_5_resume_with_only_the_run_dir(tmp_path):
 
 
 def clean_run(launcher: str, run_dir, *extra: str) -> subprocess.CompletedProcess:
-    result = run_launcher(launcher, *extra, *TINY, "trainer.save_every_steps=2", f"trainer.run_dir={run_dir}")
+    # A new interpreter, as a user's (env= keeps run_launcher from running the launcher part in this
+    # process, where pytest would collect the warnings it prints).
+    result = run_launcher(launcher, *extra, *TINY, "trainer.save_every_steps=2", f"trainer.run_dir={run_dir}",
+                          env=worker_env())
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

@@ -43,9 +43,52 @@ def run_torchrun_group(nproc: int, module: str, names, args_of, tmp_path_factory
 
 
 def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1)."""
+    """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1).
+
+    A launch with `--nproc N > 1` (and no `env`) runs its launcher part in this process
+    (relaunched_in_process): the launcher only checks and then runs torchrun's agent, whose workers
+    are new processes either way, and this process has torch imported already."""
+    nproc = args[args.index("--nproc") + 1] if "--nproc" in args[:-1] else "1"
+    if env is None and nproc.isdigit() and int(nproc) > 1:
+        return relaunched_in_process(launcher, *args)
     return subprocess.run([sys.executable, "-m", launcher, *args], env=env or worker_env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def relaunched_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
+    """LAUNCHER's main(ARGS) in this process, for a launch whose training runs in torchrun workers:
+    the workers get worker_env()'s environment, and their output (file descriptors 1 and 2, which
+    they inherit) lands in the returned stdout and stderr with the launcher's own lines."""
+    import contextlib
+    import importlib
+    import tempfile
+    from unittest import mock
+
+    main = importlib.import_module(launcher).main
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, mock.patch.dict(os.environ):
+        os.environ.clear()
+        os.environ.update(worker_env())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main(list(args))
+                except SystemExit as exit_:
+                    code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+                out.flush()
+                err.flush()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([launcher, *args], code, out.read(), err.read())
 
 
 def run_launcher_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
