@@ -95,9 +95,8 @@ class _BazelShard:
         self.index, self.total = index, total
 
     def pytest_collection_modifyitems(self, config, items):
-        kept = [item for i, item in enumerate(items) if i % self.total == self.index]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % self.total != self.index])
+        items[:] = items[self.index::self.total]
 
 
 @contextlib.contextmanager
@@ -130,7 +129,6 @@ def read_only_dir(path: str):
 def tree_snapshot(path) -> dict:
     """{relative path: (size, mtime_ns)} of every file and directory under `path`: equal snapshots mean
     nothing was written there."""
-
     out = {}
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
@@ -148,7 +146,6 @@ SHORT_JOB = ("data.num_rollouts=512", "data.mini_batch_size=32", "trainer.epochs
 
 def assert_same_exported_weights(run_dir, other_run_dir) -> None:
     """The two runs' hf_export/model.safetensors hold the same tensors, bit for bit."""
-
     from safetensors.torch import load_file
 
     a, b = (load_file(os.path.join(d, "hf_export", "model.safetensors")) for d in (run_dir, other_run_dir))

@@ -46,19 +46,22 @@ def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None
     """python -m LAUNCHER ARGS (it relaunches itself under torchrun for --nproc > 1).
 
     A launch with `--nproc N > 1` (and no `env`) runs its launcher part in this process
-    (relaunched_in_process): the launcher only checks and then runs torchrun's agent, whose workers
-    are new processes either way, and this process has torch imported already."""
+    (run_launcher_in_process): the launcher only checks and then runs torchrun's agent, whose
+    workers are new processes either way, and this process has torch imported already."""
     nproc = args[args.index("--nproc") + 1] if "--nproc" in args[:-1] else "1"
     if env is None and nproc.isdigit() and int(nproc) > 1:
-        return relaunched_in_process(launcher, *args)
+        return run_launcher_in_process(launcher, *args)
     return subprocess.run([sys.executable, "-m", launcher, *args], env=env or worker_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
-def relaunched_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
-    """LAUNCHER's main(ARGS) in this process, for a launch whose training runs in torchrun workers:
-    the workers get worker_env()'s environment, and their output (file descriptors 1 and 2, which
-    they inherit) lands in the returned stdout and stderr with the launcher's own lines."""
+def run_launcher_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
+    """LAUNCHER's main(ARGS) in this process: the exit code, stdout and stderr that `python -m
+    LAUNCHER ARGS` gives, without the seconds a new interpreter spends importing torch. For launches
+    that end before any process starts or trains (refusals, --dry-run, --print-config, --help), and
+    for --nproc N > 1 ones, whose training runs in torchrun workers: they get worker_env()'s
+    environment, and their output (file descriptors 1 and 2, which they inherit) is captured with
+    the launcher's own lines. The environment is restored after."""
     import contextlib
     import importlib
     import tempfile
@@ -66,8 +69,9 @@ def relaunched_in_process(launcher: str, *args: str) -> subprocess.CompletedProc
 
     main = importlib.import_module(launcher).main
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, mock.patch.dict(os.environ):
+        env = worker_env()
         os.environ.clear()
-        os.environ.update(worker_env())
+        os.environ.update(env)
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
@@ -77,40 +81,17 @@ def relaunched_in_process(launcher: str, *args: str) -> subprocess.CompletedProc
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
                     code = main(list(args))
-                except SystemExit as exit_:
+                except SystemExit as exit_:  # argparse: --help, bad flags
                     code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
                 out.flush()
                 err.flush()
         finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess([launcher, *args], code, out.read(), err.read())
-
-
-def run_launcher_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
-    """LAUNCHER's main(ARGS) in this process, for launches that end before any process starts or
-    trains (refusals, --dry-run, --print-config, --help): the exit code, stdout and stderr that
-    `python -m LAUNCHER ARGS` gives, without the seconds a new interpreter spends importing torch.
-    The environment is restored after (a run's world of one sets RANK, LOCAL_RANK, ...)."""
-    import contextlib
-    import importlib
-    import io
-    from unittest import mock
-
-    out, err = io.StringIO(), io.StringIO()
-    main = importlib.import_module(launcher).main
-    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        for key in _RENDEZVOUS:
-            os.environ.pop(key, None)
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:  # argparse: --help, bad flags
-            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
-    return subprocess.CompletedProcess([launcher, *args], code, out.getvalue(), err.getvalue())
 
 
 def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | None = None) -> list[str]:
@@ -143,20 +124,29 @@ def assert_killed_run_resumes_identically(launcher: str, run_root, *args: str, e
     `before_resume(killed_dir)`: what to check on the killed run first (or copy it, to resume it
     another way too). `whole_args`: for the whole run only (outputs that leave the weights alone,
     such as trainer.plot=true). Returns the whole run's result, for the test to check what it learnt."""
-    from .helpers import assert_same_exported_weights, final_explained_variance
-
     whole, killed = run_root / "whole", run_root / "killed"
     result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, *whole_args, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     run_launcher_killed_after(launcher, KILL_AFTER_STEP, f"trainer.run_dir={killed}", *args, env=env)
     if before_resume is not None:
         before_resume(killed)
-    resumed = run_launcher(launcher, f"trainer.run_dir={killed}", *args, "--resume", env=env)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stdout
-    assert_same_exported_weights(whole, killed)
-    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    _assert_resume_ends_like(result, whole, launcher, killed, *args, step=KILL_AFTER_STEP, env=env)
     return result
+
+
+def _assert_resume_ends_like(whole_result, whole, launcher: str, run_dir, *args: str, step: int, env) -> None:
+    """`--resume` of run_dir goes on from its checkpoint of `step` and ends with whole's exported
+    weights, bit for bit, and its final explained variance."""
+    import re
+
+    from .helpers import assert_same_exported_weights, final_explained_variance
+
+    resumed = run_launcher(launcher, f"trainer.run_dir={run_dir}", *args, "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert re.search(rf"resumed from \S*step_{step:06d} at epoch \d+, step {step}\n", resumed.stdout), \
+        resumed.stdout[:3000]
+    assert_same_exported_weights(whole, run_dir)
+    assert final_explained_variance(resumed.stdout) == final_explained_variance(whole_result.stdout)
 
 
 def assert_resume_from_a_checkpoint_is_identical(launcher: str, run_root, *args: str, step: int = KILL_AFTER_STEP,
@@ -168,10 +158,7 @@ def assert_resume_from_a_checkpoint_is_identical(launcher: str, run_root, *args:
     head, a sequence split); what a kill leaves behind (a held lock, a staging directory, metrics
     past the checkpoint) is checked by each backend's kill test (backends/*/tests/test_training_job.py).
     `before_resume(resumed_dir)` as there. Returns the whole run's result."""
-    import re
     import shutil
-
-    from .helpers import assert_same_exported_weights, final_explained_variance
 
     whole, resumed_dir = run_root / "whole", run_root / "resumed"
     result = run_launcher(launcher, f"trainer.run_dir={whole}", *args, env=env)
@@ -186,11 +173,7 @@ def assert_resume_from_a_checkpoint_is_identical(launcher: str, run_root, *args:
         shutil.rmtree(resumed_dir / name, ignore_errors=True)
     if before_resume is not None:
         before_resume(resumed_dir)
-    resumed = run_launcher(launcher, f"trainer.run_dir={resumed_dir}", *args, "--resume", env=env)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert re.search(rf"resumed from \S*{kept} at epoch \d+, step {step}\n", resumed.stdout), resumed.stdout[:3000]
-    assert_same_exported_weights(whole, resumed_dir)
-    assert final_explained_variance(resumed.stdout) == final_explained_variance(result.stdout)
+    _assert_resume_ends_like(result, whole, launcher, resumed_dir, *args, step=step, env=env)
     return result
 
 

@@ -343,9 +343,9 @@ def main():
     # The result is written. verl's workers (and the megatron engine they hold) keep gloo groups
     # whose threads can outlive the interpreter's teardown and abort the process ("terminate called
     # without an active exception", seen once in CI on megatron-tp2): skip the teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from critic_adapters.common.launcher import exit_process
+
+    exit_process(0)
 
 
 if __name__ == "__main__":
