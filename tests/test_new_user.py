@@ -120,15 +120,18 @@ def test_4_bad_value_types_are_one_line_naming_key_file_and_type(tmp_path):
     assert len(error_lines(result)) == 1, result.stderr
 
 
-# 5. --resume with only trainer.run_dir resumes from the run's own config.yaml.
-def test_5_resume_with_only_the_run_dir(tmp_path):
-    run_dir = tmp_path / "run"
-    first = run_launcher(FSDP, *TINY, "data.num_rollouts=40", f"trainer.run_dir={run_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
+# 5. --resume with only trainer.run_dir resumes from the run's own config.yaml (here the run test 7
+# interrupted after its final checkpoint, trained with data.num_rollouts=40: a setting the resume
+# must take from the run's config.yaml, not from the defaults).
+def test_5_resume_with_only_the_run_dir(interrupted_run):
+    run_dir, _ = interrupted_run
     resumed = run_launcher(FSDP, "--resume", f"trainer.run_dir={run_dir}", "trainer.epochs=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume: the run's settings from {run_dir / 'config.yaml'}" in resumed.stdout
     assert "resume: trainer.epochs changed from 1 to 2" in resumed.stdout
+    assert "resume: data.num_rollouts" not in resumed.stdout
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert max(row["epoch"] for row in rows) == 2 and max(row["step"] for row in rows) == 6  # 40 rollouts: 3 steps an epoch
     # A setting that cannot change is still refused, naming the key.
     refused(launch(FSDP, "--resume", f"trainer.run_dir={run_dir}", "engine.optim.lr=1"),
             "engine.optim.lr: 0.002 in the run, 1.0 now")
@@ -146,10 +149,23 @@ def clean_run(launcher: str, run_dir, *extra: str) -> subprocess.CompletedProces
 NOISE = re.compile(r"WARN|ERROR|Warning|\[INFO", re.IGNORECASE)
 
 
+CLEAN_RUNS = {FSDP: ("--nproc", "2"), MEGATRON: (), VEOMNI: ("--nproc", "2")}
+
+
+@pytest.fixture(scope="module")
+def clean_runs(tmp_path_factory) -> dict:
+    """{launcher: (run_dir, result)} of one clean default run per backend (tests 6, 7 and 8)."""
+    runs = {}
+    for launcher, extra in CLEAN_RUNS.items():
+        run_dir = tmp_path_factory.mktemp("clean") / "run"
+        runs[launcher] = run_dir, clean_run(launcher, run_dir, *extra)
+    return runs
+
+
 # 6. A clean default run prints no library line at WARNING or above on stdout (and no known noise anywhere).
-@pytest.mark.parametrize("launcher,extra", [(FSDP, ("--nproc", "2")), (MEGATRON, ()), (VEOMNI, ("--nproc", "2"))])
-def test_6_a_clean_run_prints_no_warning_on_stdout(tmp_path, launcher, extra):
-    result = clean_run(launcher, tmp_path / "run", *extra)
+@pytest.mark.parametrize("launcher", list(CLEAN_RUNS))
+def test_6_a_clean_run_prints_no_warning_on_stdout(clean_runs, launcher):
+    _, result = clean_runs[launcher]
     noisy = [line for line in result.stdout.splitlines() if NOISE.search(line)]
     assert not noisy, "\n".join(noisy)
     known = ("UserWarning", "cache_position", "all-zero values", "Environment Variables", "torch_dtype",
@@ -160,10 +176,9 @@ def test_6_a_clean_run_prints_no_warning_on_stdout(tmp_path, launcher, extra):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    """(run_dir, result) of one clean single-process fsdp run, for tests 7 and 8."""
-    run_dir = tmp_path_factory.mktemp("fsdp-clean") / "run"
-    return run_dir, clean_run(FSDP, run_dir)
+def fsdp_run(clean_runs):
+    """(run_dir, result) of the clean two-process fsdp run, for tests 7 and 8."""
+    return clean_runs[FSDP]
 
 
 # 7. The console says where things went; a Ctrl-C after training finished says so.
@@ -188,10 +203,19 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_7_ctrl_c_after_training_finished_says_so(tmp_path):
-    run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-c", INTERRUPT_AFTER_EXPORT, *TINY, f"trainer.run_dir={run_dir}"],
-                            env=worker_env(), capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+    """(run_dir, result) of a one-process fsdp run of 40 rollouts (3 steps) interrupted by a Ctrl-C
+    while its plot is drawn (tests 7 and 5)."""
+    run_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    result = subprocess.run([sys.executable, "-c", INTERRUPT_AFTER_EXPORT, *TINY, "data.num_rollouts=40",
+                             f"trainer.run_dir={run_dir}"], env=worker_env(), capture_output=True, text=True,
+                            timeout=300)
+    return run_dir, result
+
+
+def test_7_ctrl_c_after_training_finished_says_so(interrupted_run):
+    run_dir, result = interrupted_run
     assert result.returncode == 130, result.stderr[-3000:]
     lines = error_lines(result)
     assert lines[-1].startswith("interrupted after training had finished (step 3): the final checkpoint "

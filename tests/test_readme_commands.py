@@ -17,7 +17,7 @@ import sys
 
 from critic_adapters.common.data import make_default_records
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import run_launcher_in_process, worker_env
+from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_in_process, worker_env
 
 VALUEHEAD = "critic_adapters.common.valuehead"
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -87,15 +87,15 @@ def test_every_readme_command_runs_as_written(tmp_path):
     write_rollouts(str(tmp_path / "rollouts.parquet"))
     commands = [c for c in readme_commands() if c not in NOT_RUN]
     assert len(commands) >= 10, commands
-    env = worker_env()
     for command in commands:
         words = bound(command)
         assert words[0] == "python", f"a README command this test cannot run: {command!r}"
         if words[1:3] == ["-m", VALUEHEAD] or "--dry-run" in words:  # they start and train nothing: in this process
             module = f"{VALUEHEAD}.cli" if words[2] == VALUEHEAD else words[2]
             result = run_launcher_in_process(module, *words[3:])
-        else:
-            result = subprocess.run([sys.executable, *words[1:]], env=env, capture_output=True, text=True, timeout=900)
+        else:  # a launch: --nproc N > 1 ones run their launcher part in this process, as every job test's do
+            assert words[1] == "-m", f"a README command this test cannot run: {command!r}"
+            result = run_launcher(words[2], *words[3:], timeout=900)
         assert result.returncode == 0, (f"README command failed (rc={result.returncode}): {command}\n"
                                         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     # The commands did what the README says they do.

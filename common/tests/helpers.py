@@ -83,7 +83,7 @@ def run_pytest(file: str) -> None:
         if os.environ.get("TEST_SHARD_STATUS_FILE"):  # tells Bazel this runner knows sharding
             open(os.environ["TEST_SHARD_STATUS_FILE"], "a").close()
     # importlib mode: the test file is imported by path, its imports go through the package name.
-    status = pytest.main([file, "-q", "-p", "no:cacheprovider", "--import-mode=importlib", *sys.argv[1:]],
+    status = pytest.main([file, "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "--durations=10", *sys.argv[1:]],
                          plugins=plugins)
     sys.exit(0 if plugins and status == pytest.ExitCode.NO_TESTS_COLLECTED else status)
 

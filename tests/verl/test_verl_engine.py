@@ -1,7 +1,7 @@
 """Our critic in verl 0.9.1's engine slot, driven by verl's own TrainingWorker (no Ray, CPU, fp32)
 in the verl overlay (tools/setup.sh: .overlays/verl-0.9.1, transformers 5.10.4), in verl_worker.py
-processes (the one-process checks batched into two processes, the multi-process ones one torchrun
-each): values equal our compute_values, one update equals verl's own fsdp2 value-model engine on
+processes (the one-process checks batched into two processes, the two-process ones into one
+torchrun): values equal our compute_values, one update equals verl's own fsdp2 value-model engine on
 the same weights, a checkpoint resumes bit-identically, and critics from other formats train there
 with their heads."""
 
@@ -41,20 +41,16 @@ def run_check(check: str, tmp_path, *args: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def test_importing_verl_registers_the_engine():
+def test_importing_verl_registers_the_engine(import_probe):
     """The package's verl.plugins entry point: a plain `import verl` (plugins on, verl's default) has
     the engine registered, found for this machine's device (cpu here, through our CPU platform)."""
-    env = {k: v for k, v in overlay_env().items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
-    code = ("import verl\nfrom verl.workers.engine import EngineRegistry\n"
-            "print(EngineRegistry.get_engine_cls('value_model', 'critic_adapters').__name__)")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "CriticAdaptersEngine"
+    assert import_probe["verl-overlay"]["registered"] == "CriticAdaptersEngine"
 
 
 # What a fresh interpreter must not have after importing our entry points (or verl, which loads our
 # plugin), one after another: a backend's library, verl's engines, a new transformers attention
-# function, output. What the later imports bring is a superset of what each alone would.
+# function, output. What the later imports bring is a superset of what each alone would. After the
+# probe, in the verl overlay, the engine verl's registry finds for a value model (on stdout).
 IMPORT_PROBE = """
 import importlib, sys
 from transformers import AttentionInterface
@@ -66,20 +62,45 @@ for module in sys.argv[1:]:
     added = sorted(set(AttentionInterface._global_mapping) - before)
     seen.append((module, loaded, added))
 sys.stderr.write(repr(seen))
+if "verl" in sys.argv[1:]:  # verl's engines (VeOmni's banner among them) may log: not ours to judge
+    import os
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stdout, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    from verl.workers.engine import EngineRegistry
+    engine = EngineRegistry.get_engine_cls("value_model", "critic_adapters").__name__
+    sys.stdout.flush()
+    os.write(stdout, (engine + chr(10)).encode())
 """
 ENTRY_POINTS = ["critic_adapters.common.engine", "critic_adapters.common.registry", "critic_adapters.integrations.ray"]
 
 
-@pytest.mark.parametrize("in_overlay", [True, False], ids=["verl-overlay", "venv"])
-def test_importing_an_entry_point_imports_no_backend_and_prints_nothing(in_overlay):
-    env = {k: v for k, v in (overlay_env() if in_overlay else worker_env()).items()
-           if k not in ("VERL_USE_EXTERNAL_PLUGINS", "PYTHONWARNINGS")}
-    modules = ENTRY_POINTS + (["critic_adapters.integrations.verl", "verl"] if in_overlay else [])
-    result = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *modules], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout == "", result.stdout[-3000:]
-    assert result.stderr == repr([(module, [], []) for module in modules]), result.stderr[-3000:]
+@pytest.fixture(scope="module")
+def import_probe() -> dict:
+    """IMPORT_PROBE in a fresh interpreter of the verl overlay and of the venv (verl's plugins on, its
+    default): {where: {"modules", "stdout", "stderr", "registered"}}."""
+    probes = {}
+    for where in ("verl-overlay", "venv"):
+        env = {k: v for k, v in (overlay_env() if where == "verl-overlay" else worker_env()).items()
+               if k not in ("VERL_USE_EXTERNAL_PLUGINS", "PYTHONWARNINGS")}
+        modules = ENTRY_POINTS + (["critic_adapters.integrations.verl", "verl"] if where == "verl-overlay" else [])
+        result = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *modules], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        stdout = result.stdout.splitlines()
+        probes[where] = {"modules": modules, "stderr": result.stderr,
+                         "stdout": "\n".join(stdout[:-1] if "verl" in modules else stdout),
+                         "registered": stdout[-1] if stdout else None}
+    return probes
+
+
+@pytest.mark.parametrize("where", ["verl-overlay", "venv"])
+def test_importing_an_entry_point_imports_no_backend_and_prints_nothing(where, import_probe):
+    probe = import_probe[where]
+    assert probe["stdout"] == "", probe["stdout"][-3000:]
+    assert probe["stderr"] == repr([(module, [], []) for module in probe["modules"]]), probe["stderr"][-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +127,35 @@ def single_process_parity(critic_dir, tmp_path_factory) -> dict:
     return dict(zip(backends, results))
 
 
-def run_parity(backend: str, processes: int, critic_dir: str, tmp_path, request) -> list[dict]:
+@pytest.fixture(scope="module")
+def two_process_parity(critic_dir, tmp_path_factory) -> dict:
+    """The two-process parity runs one after another in one torchrun of two verl-overlay processes
+    (each run's engine closed before the next: megatron keeps one layout per process):
+    {backend: the per-rank results}."""
+    import json
+
+    backends = [backend for backend, processes in PARITY_RUNS if processes == 2]
+    out = tmp_path_factory.mktemp("parity2") / "parity.pt"
+    command = torchrun_command(2, "critic_adapters.tests.verl.verl_worker", "batch", str(out),
+                               json.dumps([["parity", critic_dir, backend] for backend in backends]))
+    result = subprocess.run(command, env=overlay_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"parity {backends} on 2 failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    ranks = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(2)]
+    return {backend: [rank[i] for rank in ranks] for i, backend in enumerate(backends)}
+
+
+def run_parity(backend: str, processes: int, request) -> list[dict]:
     """verl_worker parity on each process: the per-rank results."""
     if processes == 1:
         return [request.getfixturevalue("single_process_parity")[backend]]
-    out = tmp_path / "parity.pt"
-    command = torchrun_command(processes, "critic_adapters.tests.verl.verl_worker", "parity", str(out), critic_dir,
-                               backend)
-    result = subprocess.run(command, env=overlay_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"parity {backend} on {processes} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(processes)]
+    assert processes == 2, processes
+    return request.getfixturevalue("two_process_parity")[backend]
 
 
 @pytest.mark.parametrize("backend,processes", PARITY_RUNS, ids=[f"{b}-{n}" for b, n in PARITY_RUNS])
-def test_values_and_one_update_equal_verls_own_engine(backend, processes, critic_dir, tmp_path, request):
+def test_values_and_one_update_equal_verls_own_engine(backend, processes, request):
     checked = 0
-    for result in run_parity(backend, processes, critic_dir, tmp_path, request):
+    for result in run_parity(backend, processes, request):
         ours, verls = result[backend], result["verl-fsdp2"]
         if ours["before"] is None:  # a TP / Ulysses peer: verl collects outputs from its first rank only
             assert backend.endswith(PEERS) and ours["metrics"] is None

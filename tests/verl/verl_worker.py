@@ -236,6 +236,9 @@ def parity(model_dir: str, backend: str) -> dict:
                      "after": infer(worker, tensors), "engine": type(worker.engine).__name__}
         # Then the v1 trainer's layout, from the state after that step.
         out[name]["v1_values"], out[name]["v1_metrics"] = v1_step(worker, tensors, reference, returns)
+        close = getattr(getattr(worker.engine, "engine", None), "close", None)
+        if close is not None:  # megatron keeps one layout per process: the next run may want another
+            close()
         del worker
     return out
 
