@@ -1,7 +1,8 @@
 """torchrun worker for tests/test_context_parallel.py: the megatron engine at engine.parallel.context
 N beside the same engine without context parallelism, on the same rows.
 
-argv: mode out_file spec_json model_dir work_dir
+argv: one or more groups of five, run one after another in these processes (one interpreter start
+for several runs): mode out_file spec_json model_dir work_dir
   compare (2 ranks): for each packing in spec["packings"], an engine per layout in spec["layouts"]
      ({"name": {"context": 2, ...}}; the others' ranks are data parallel) computes the values of two
      batches (sequences that straddle the CP split, and one of 1-token sequences), then one
@@ -135,14 +136,17 @@ def checkpoint_round(dist, mode: str, model_dir: str, work_dir: str) -> dict:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    mode, out_file, spec, model_dir, work_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), *sys.argv[4:6]
+    args = sys.argv[1:]
+    assert args and len(args) % 5 == 0, "argv: groups of mode out_file spec_json model_dir work_dir"
     dist = init_distributed()
-    if mode == "compare":
-        result = compare(dist, spec, model_dir, work_dir)
-    else:
-        result = checkpoint_round(dist, mode, model_dir, work_dir)
-    if dist.is_main:
-        torch.save(result, out_file)
+    for start in range(0, len(args), 5):
+        mode, out_file, spec, model_dir, work_dir = args[start:start + 5]
+        if mode == "compare":
+            result = compare(dist, json.loads(spec), model_dir, work_dir)
+        else:
+            result = checkpoint_round(dist, mode, model_dir, work_dir)
+        if dist.is_main:
+            torch.save(result, out_file)
     shutdown()
 
 

@@ -5,7 +5,8 @@ and grad norm (<= 1e-4 relative) for one update and for forward_backward, the sa
 curve (<= 1e-4); a naive split (no K/V gather) is caught; a CP-2 checkpoint resumes at CP 1.
 
 The reference is the same 2 ranks as data parallel (context=1): each CP rank holds half of every
-sequence of all the rows, each DP rank all of half the rows. One torchrun launch per family.
+sequence of all the rows, each DP rank all of half the rows. One torchrun of 2 ranks for the
+comparisons of both families and the CP-2 save, one of 1 rank for the resume.
 """
 
 import json
@@ -26,15 +27,30 @@ def _run(nproc: int, *args: str) -> None:
     run_torchrun(nproc, WORKER, *args, env=worker_env(PYTHONWARNINGS="ignore"))
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def compared(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"cp_{request.param}")
-    model_dir = save_tiny_causal_lm(request.param, str(root / "model"))
-    spec = {"packings": [True, False], "steps": STEPS,
-            "layouts": {"cp1": {"context": 1}, "cp2": {"context": 2}, "control": {"context": 2, "control": True}}}
-    out = root / "compared.pt"
-    _run(2, "compare", str(out), json.dumps(spec), model_dir, str(root))
-    return torch.load(out, weights_only=False)
+FAMILIES = ("qwen2", "llama")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict:
+    """One torchrun of 2 ranks for every 2-rank run: the comparison per family, then the CP-2 half of
+    the checkpoint round trip. {family: its comparison, "save": the save round, "root": its dir}."""
+    spec = json.dumps({"packings": [True, False], "steps": STEPS, "layouts": {
+        "cp1": {"context": 1}, "cp2": {"context": 2}, "control": {"context": 2, "control": True}}})
+    groups, outs = [], {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(f"cp_{family}")
+        outs[family] = root / "compared.pt"
+        groups += ["compare", str(outs[family]), spec, save_tiny_causal_lm(family, str(root / "model")), str(root)]
+    root = tmp_path_factory.mktemp("cp_checkpoint")
+    outs["save"] = root / "save.pt"
+    groups += ["save", str(outs["save"]), "{}", save_tiny_causal_lm("qwen2", str(root / "model")), str(root)]
+    _run(2, *groups)
+    return {**{name: torch.load(out, weights_only=False) for name, out in outs.items()}, "root": root}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def compared(request, two_rank_runs):
+    return two_rank_runs[request.param]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -78,16 +94,11 @@ def test_a_naive_split_without_the_key_value_gather_is_caught(compared):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cp_checkpoint")
-    model_dir = save_tiny_causal_lm("qwen2", str(root / "model"))
-    runs = {}
-    for mode, nproc in (("save", 2), ("resume", 1)):
-        out = root / f"{mode}.pt"
-        _run(nproc, mode, str(out), "{}", model_dir, str(root))
-        runs[mode] = torch.load(out, weights_only=False)
-    runs["export"] = root / "hf_export"
-    return runs
+def resumed(two_rank_runs):
+    root = two_rank_runs["root"]
+    out = root / "resume.pt"
+    _run(1, "resume", str(out), "{}", str(root / "model"), str(root))
+    return {"save": two_rank_runs["save"], "resume": torch.load(out, weights_only=False), "export": root / "hf_export"}
 
 
 def test_a_context_2_checkpoint_resumes_at_context_1(resumed):
