@@ -1,8 +1,8 @@
 """torchrun worker for tests/test_context_parallel.py: the megatron engine at engine.parallel.context
 N beside the same engine without context parallelism, on the same rows.
 
-argv: one or more groups of five, run one after another in these processes (one interpreter start
-for several runs): mode out_file spec_json model_dir work_dir
+argv: mode out_file spec_json model_dir work_dir [+ the same for another run ...] (the runs one after
+another in these processes)
   compare (2 ranks): for each packing in spec["packings"], an engine per layout in spec["layouts"]
      ({"name": {"context": 2, ...}}; the others' ranks are data parallel) computes the values of two
      batches (sequences that straddle the CP split, and one of 1-token sequences), then one
@@ -26,6 +26,7 @@ from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConf
 from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
 from critic_adapters.common.tests.helpers import FIELDS, save_rollout_batch
+from critic_adapters.common.tests.torchrun import argv_runs
 
 # Right-padded rows of these lengths: at CP 2 every sequence of 4 tokens or more straddles a chunk
 # boundary, and 11 is not a multiple of 4 (dummy padding inside each sequence).
@@ -136,11 +137,8 @@ def checkpoint_round(dist, mode: str, model_dir: str, work_dir: str) -> dict:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    args = sys.argv[1:]
-    assert args and len(args) % 5 == 0, "argv: groups of mode out_file spec_json model_dir work_dir"
     dist = init_distributed()
-    for start in range(0, len(args), 5):
-        mode, out_file, spec, model_dir, work_dir = args[start:start + 5]
+    for mode, out_file, spec, model_dir, work_dir in argv_runs(sys.argv[1:]):
         if mode == "compare":
             result = compare(dist, json.loads(spec), model_dir, work_dir)
         else:

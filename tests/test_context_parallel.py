@@ -16,7 +16,7 @@ import torch
 
 from critic_adapters.common.testdata import save_tiny_causal_lm, tiny_config
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.tests.torchrun import run_torchrun, then, worker_env
 
 WORKER = "critic_adapters.tests.context_parallel_worker"
 PACKINGS = ("True", "False")
@@ -36,15 +36,15 @@ def two_rank_runs(tmp_path_factory) -> dict:
     the checkpoint round trip. {family: its comparison, "save": the save round, "root": its dir}."""
     spec = json.dumps({"packings": [True, False], "steps": STEPS, "layouts": {
         "cp1": {"context": 1}, "cp2": {"context": 2}, "control": {"context": 2, "control": True}}})
-    groups, outs = [], {}
+    runs, outs = [], {}
     for family in FAMILIES:
         root = tmp_path_factory.mktemp(f"cp_{family}")
         outs[family] = root / "compared.pt"
-        groups += ["compare", str(outs[family]), spec, save_tiny_causal_lm(family, str(root / "model")), str(root)]
+        runs.append(["compare", outs[family], spec, save_tiny_causal_lm(family, str(root / "model")), root])
     root = tmp_path_factory.mktemp("cp_checkpoint")
     outs["save"] = root / "save.pt"
-    groups += ["save", str(outs["save"]), "{}", save_tiny_causal_lm("qwen2", str(root / "model")), str(root)]
-    _run(2, *groups)
+    runs.append(["save", outs["save"], "{}", save_tiny_causal_lm("qwen2", str(root / "model")), root])
+    _run(2, *then(*runs))
     return {**{name: torch.load(out, weights_only=False) for name, out in outs.items()}, "root": root}
 
 

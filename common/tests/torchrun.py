@@ -33,6 +33,27 @@ def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
     return result
 
 
+THEN = "+"  # separates the runs of one worker launch (argv_runs)
+
+
+def argv_runs(argv: list[str]) -> list[list[str]]:
+    """A test worker's argv as its runs, one after another in the same processes (one interpreter
+    start for several): `RUN [+ RUN ...]`, each RUN the arguments of one."""
+    runs, run = [], []
+    for arg in argv:
+        if arg == THEN:
+            runs.append(run)
+            run = []
+        else:
+            run.append(arg)
+    return [*runs, run]
+
+
+def then(*runs) -> list[str]:
+    """The argv of several worker runs (argv_runs reads it back)."""
+    return [str(arg) for i, run in enumerate(runs) for arg in ([THEN] if i else []) + list(run)]
+
+
 def run_torchrun_group(nproc: int, module: str, names, args_of, tmp_path_factory, *leading: str,
                        env: dict | None = None) -> dict:
     """One torchrun of MODULE for several runs of the same process count: argv is LEADING, then

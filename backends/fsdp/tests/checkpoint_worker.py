@@ -3,7 +3,8 @@
   python -m critic_adapters.backends.fsdp.tests.checkpoint_worker train-save   MODEL_DIR BATCH.pt WORKDIR
   python -m critic_adapters.backends.fsdp.tests.checkpoint_worker load-continue MODEL_DIR BATCH.pt WORKDIR
   python -m critic_adapters.backends.fsdp.tests.checkpoint_worker load-other   OTHER_MODEL_DIR BATCH.pt WORKDIR
-Rank 0 writes the values it sees to WORKDIR/<mode>-world<N>.pt.
+Rank 0 writes the values it sees to WORKDIR/<mode>-world<N>.pt. Several runs, separated by `+`, run
+one after another in the same processes.
 """
 
 import os
@@ -15,11 +16,17 @@ from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows, rank_share
 from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
 from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.tests.torchrun import argv_runs
 
 
 def main():
-    mode, model_dir, batch_file, workdir = sys.argv[1:5]
     dist = init_distributed()
+    for run in argv_runs(sys.argv[1:]):
+        one_run(dist, *run)
+    shutdown()
+
+
+def one_run(dist, mode: str, model_dir: str, batch_file: str, workdir: str) -> None:
     data, mine, batch = rank_share(batch_file, dist)
     config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, lr_schedule="cosine",
                                                                                 warmup_steps=2, total_steps=10))
@@ -50,7 +57,6 @@ def main():
     engine.close()
     if dist.is_main:
         torch.save(out, os.path.join(workdir, f"{mode}-world{dist.world_size}.pt"))
-    shutdown()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from critic_adapters.backends.fsdp.tests.launch import run_torchrun
 from critic_adapters.backends.fsdp.tests.test_engine_parity import make_batch
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import then
 
 WORKER = "critic_adapters.backends.fsdp.tests.checkpoint_worker"
 
@@ -24,14 +25,28 @@ def inputs(tmp_path_factory):
     return root, model_dir, data
 
 
-@pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
-def test_checkpoint_loads_on_another_world_size(inputs, save_world, load_world):
-    root, model_dir, data = inputs
-    work = root / f"{save_world}to{load_world}"
-    work.mkdir()
+@pytest.fixture(scope="module")
+def worlds(inputs):
+    """Saved on 2 ranks and loaded on 1, saved on 1 and loaded on 2, and another model's load of a
+    1-rank checkpoint: three torchruns (the runs of one process count that can go together share one)."""
+    root, model_dir, _ = inputs
     batch = str(root / "batch.pt")
-    run_torchrun(save_world, WORKER, "train-save", model_dir, batch, str(work))
-    run_torchrun(load_world, WORKER, "load-continue", model_dir, batch, str(work))
+    for name in ("2to1", "1to2", "other"):
+        (root / name).mkdir()
+    other = save_tiny_causal_lm("llama", str(root / "other-model"))
+    run_torchrun(2, WORKER, "train-save", model_dir, batch, str(root / "2to1"))
+    run_torchrun(1, WORKER, *then(("load-continue", model_dir, batch, root / "2to1"),
+                                  ("train-save", model_dir, batch, root / "1to2"),
+                                  ("train-save", model_dir, batch, root / "other"),
+                                  ("load-other", other, batch, root / "other")))
+    run_torchrun(2, WORKER, "load-continue", model_dir, batch, str(root / "1to2"))
+    return root
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
+def test_checkpoint_loads_on_another_world_size(inputs, worlds, save_world, load_world):
+    _, _, data = inputs
+    work = worlds / f"{save_world}to{load_world}"
     saved = torch.load(work / f"train-save-world{save_world}.pt")
     loaded = torch.load(work / f"load-continue-world{load_world}.pt")
     mask = data["attention_mask"].bool()
@@ -45,15 +60,8 @@ def test_checkpoint_loads_on_another_world_size(inputs, save_world, load_world):
     assert loaded["lr"] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 8)))
 
 
-def test_checkpoint_of_another_model_is_refused(inputs):
-    root, model_dir, _ = inputs
-    work = root / "other"
-    work.mkdir()
-    batch = str(root / "batch.pt")
-    run_torchrun(1, WORKER, "train-save", model_dir, batch, str(work))
-    other = save_tiny_causal_lm("llama", str(root / "other-model"))
-    run_torchrun(1, WORKER, "load-other", other, batch, str(work))
-    error = torch.load(work / "load-other-world1.pt")["error"]
+def test_checkpoint_of_another_model_is_refused(worlds):
+    error = torch.load(worlds / "other" / "load-other-world1.pt")["error"]
     assert "belongs to another model" in error and "model_type" in error
 
 

@@ -1,6 +1,7 @@
 """torchrun worker for checkpoint tests.
 
-argv: mode model_dir batch_file work_dir tensor out_file
+argv: mode model_dir batch_file work_dir tensor out_file [+ the same for another run ...] (the runs
+one after another in these processes)
   save:   2 updates, checkpoint to work_dir/ckpt, 2 more updates, export to work_dir/hf_export
   resume: load work_dir/ckpt, 2 updates
 Rank 0 writes {"metrics": [...], "weights": full HF state dict after the last update} to out_file.
@@ -17,12 +18,18 @@ from critic_adapters.common.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
 
 from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402
+from critic_adapters.common.tests.torchrun import argv_runs  # noqa: E402
 
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    mode, model_dir, batch_file, work_dir, tensor, out_file = sys.argv[1:7]
     dist = init_distributed()
+    for run in argv_runs(sys.argv[1:]):
+        one_run(dist, *run)
+    shutdown()
+
+
+def one_run(dist, mode: str, model_dir: str, batch_file: str, work_dir: str, tensor: str, out_file: str) -> None:
     config = EngineConfig(model=ModelConfig(path=model_dir),
                           optim=OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1, total_steps=6),
                           loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=48),
@@ -46,7 +53,6 @@ def main() -> None:
     if dist.is_main:
         torch.save({"metrics": metrics, "weights": weights}, out_file)
     engine.close()
-    shutdown()
 
 
 if __name__ == "__main__":

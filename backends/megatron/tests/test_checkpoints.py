@@ -12,6 +12,7 @@ from critic_adapters.backends.megatron.tests.launch import run_torchrun
 from critic_adapters.common.checkpoints import META_FILE
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import save_rollout_batch, run_pytest
+from critic_adapters.common.tests.torchrun import then
 
 WORKER = "critic_adapters.backends.megatron.tests.checkpoint_worker"
 
@@ -22,21 +23,26 @@ def make_batch(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """A checkpoint saved at TP 1 and at TP 2, each resumed at both: three torchruns (the runs of one
+    process count that can go together share one)."""
     root = tmp_path_factory.mktemp("ckpt")
     model_dir = save_tiny_causal_lm("qwen2", str(root / "model"))
     batch = str(root / "batch.pt")
     make_batch(batch)
-    results = {}
-    for saved_at in (2, 1):
-        work = root / f"tp{saved_at}"
-        work.mkdir()
-        out = str(work / "save.pt")
-        run_torchrun(saved_at, WORKER, "save", model_dir, batch, str(work), str(saved_at), out)
-        results[("save", saved_at)] = torch.load(out)
-        for resumed_at in (saved_at, 3 - saved_at):
-            out = str(work / f"resume{resumed_at}.pt")
-            run_torchrun(resumed_at, WORKER, "resume", model_dir, batch, str(work), str(resumed_at), out)
-            results[(saved_at, resumed_at)] = torch.load(out)
+    for saved_at in (1, 2):
+        (root / f"tp{saved_at}").mkdir()
+
+    def save(tp):
+        return "save", model_dir, batch, root / f"tp{tp}", tp, root / f"tp{tp}" / "save.pt"
+
+    def resume(saved_at, resumed_at):
+        return "resume", model_dir, batch, root / f"tp{saved_at}", resumed_at, root / f"tp{saved_at}" / f"resume{resumed_at}.pt"
+
+    run_torchrun(1, WORKER, *then(save(1), resume(1, 1)))
+    run_torchrun(2, WORKER, *then(save(2), resume(2, 2), resume(1, 2)))
+    run_torchrun(1, WORKER, *then(resume(2, 1)))
+    results = {("save", tp): torch.load(save(tp)[-1]) for tp in (1, 2)}
+    results.update({(saved, resumed): torch.load(resume(saved, resumed)[-1]) for saved in (1, 2) for resumed in (1, 2)})
     return root, results
 
 
