@@ -26,9 +26,15 @@ def torchrun_command(nproc: int, module: str, *args: str) -> list[str]:
 
 def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
                  timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run it with output captured by pipes (as CI sees it); assert every rank exited 0."""
-    result = subprocess.run(torchrun_command(nproc, module, *args), env=env or worker_env(), capture_output=True,
-                            text=True, timeout=timeout)
+    """MODULE ARGS on `nproc` ranks, output captured; assert every rank exited 0. torchrun's agent
+    runs in this process (common.quiet_torchrun, as the launcher runs it: one interpreter fewer to
+    start); one rank needs no agent: `python -m MODULE`, a world of one (common.distributed)."""
+    if nproc == 1:
+        result = subprocess.run([sys.executable, "-m", module, *args], env=env or worker_env(), capture_output=True,
+                                text=True, timeout=timeout)
+    else:
+        result = run_launcher_in_process("critic_adapters.common.quiet_torchrun", *torchrun_command(nproc, module, *args)[3:],
+                                         env=env)
     assert result.returncode == 0, f"torchrun {module} {args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
 
@@ -76,12 +82,12 @@ def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None
                           text=True, timeout=timeout)
 
 
-def run_launcher_in_process(launcher: str, *args: str) -> subprocess.CompletedProcess:
+def run_launcher_in_process(launcher: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """LAUNCHER's main(ARGS) in this process: the exit code, stdout and stderr that `python -m
     LAUNCHER ARGS` gives, without the seconds a new interpreter spends importing torch. For launches
     that end before any process starts or trains (refusals, --dry-run, --print-config, --help), and
-    for --nproc N > 1 ones, whose training runs in torchrun workers: they get worker_env()'s
-    environment, and their output (file descriptors 1 and 2, which they inherit) is captured with
+    for --nproc N > 1 ones, whose training runs in torchrun workers: they get `env` (worker_env()'s
+    environment by default), and their output (file descriptors 1 and 2, which they inherit) is captured with
     the launcher's own lines. The environment is restored after."""
     import contextlib
     import importlib
@@ -90,7 +96,7 @@ def run_launcher_in_process(launcher: str, *args: str) -> subprocess.CompletedPr
 
     main = importlib.import_module(launcher).main
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, mock.patch.dict(os.environ):
-        env = worker_env()
+        env = env or worker_env()
         os.environ.clear()
         os.environ.update(env)
         sys.stdout.flush()
