@@ -71,15 +71,18 @@ def vocab_projection_watch(model: torch.nn.Module, vocab: int = VOCAB):
             handle.remove()
 
 
-def run_pytest(file: str) -> None:
+def run_pytest(file: str, shard_key=None) -> None:
     """Entry point for Bazel py_test: run this file's tests with pytest and exit with its status.
     A target with `shard_count = N` runs every N-th test in each of its N shards (Bazel's test
-    sharding protocol), so that its slow cases spread over both of CI's test slots."""
+    sharding protocol), so that its slow cases spread over both of CI's test slots; with
+    `shard_key(item)` every N-th group of tests with one key instead (tests that share an expensive
+    module fixture stay in one shard)."""
     import pytest
 
     plugins = []
     if int(os.environ.get("TEST_TOTAL_SHARDS", "1")) > 1:
-        plugins.append(_BazelShard(int(os.environ["TEST_SHARD_INDEX"]), int(os.environ["TEST_TOTAL_SHARDS"])))
+        plugins.append(_BazelShard(int(os.environ["TEST_SHARD_INDEX"]), int(os.environ["TEST_TOTAL_SHARDS"]),
+                                   shard_key))
         if os.environ.get("TEST_SHARD_STATUS_FILE"):  # tells Bazel this runner knows sharding
             open(os.environ["TEST_SHARD_STATUS_FILE"], "a").close()
     # importlib mode: the test file is imported by path, its imports go through the package name.
@@ -89,14 +92,21 @@ def run_pytest(file: str) -> None:
 
 
 class _BazelShard:
-    """pytest plugin: keep the collected tests whose position is `index` modulo `total`."""
+    """pytest plugin: keep the collected tests whose position (or their key's position among the
+    keys, in order of first appearance) is `index` modulo `total`."""
 
-    def __init__(self, index: int, total: int):
-        self.index, self.total = index, total
+    def __init__(self, index: int, total: int, key=None):
+        self.index, self.total, self.key = index, total, key
 
     def pytest_collection_modifyitems(self, config, items):
-        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % self.total != self.index])
-        items[:] = items[self.index::self.total]
+        if self.key is None:
+            positions = list(range(len(items)))
+        else:
+            order: dict = {}
+            positions = [order.setdefault(self.key(item), len(order)) for item in items]
+        keep = [item for item, p in zip(items, positions) if p % self.total == self.index]
+        config.hook.pytest_deselected(items=[item for item, p in zip(items, positions) if p % self.total != self.index])
+        items[:] = keep
 
 
 @contextlib.contextmanager

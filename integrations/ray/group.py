@@ -13,6 +13,10 @@ object reference from a stack's own actors is passed as it is) and takes its dat
 gathered back in row order from one actor per data-parallel rank; metrics are rank 0's (the engines
 reduce them over the data-parallel ranks).
 
+The group has the whole engine contract (common.engine.CriticEngine): the step in pieces
+(forward_backward on each actor's share, step_optimizer, zero_grad, scheduler) for a host's own
+loss, as well as update(); `parallel` is None (the meshes are the actors').
+
 Faults: every call waits on all actors together. An actor that dies (killed, OOM, node lost) makes
 the call raise CriticWorkerError naming it and Ray's reason, after every actor of the group is
 killed (the others would wait for it in a collective forever); a new group then loads the last
@@ -168,19 +172,49 @@ class RayCriticGroup:
         """The engines' data-parallel size (the workers over tensor x pipeline x ... peers)."""
         return self._info[0]["dp_size"]
 
+    parallel = None  # the engines' meshes live in the actors (common.engine.CriticEngine.parallel)
+
     def compute_values(self, input_ids, attention_mask) -> torch.Tensor:
         """float32 [B, T] values of every row, in row order (tensors or Ray object references)."""
         input_ids, attention_mask = _by_reference(input_ids), _by_reference(attention_mask)
-        shares = self._call_all("compute_values", input_ids, attention_mask)
+        return self._in_row_order(self._call_all("compute_values", input_ids, attention_mask))
+
+    def _in_row_order(self, shares: list) -> torch.Tensor:
+        """The values of every row from the actors' (row indices, values, ...) shares: one actor per
+        data-parallel rank (its tensor / pipeline / sequence peers hold the same rows)."""
         by_dp = {}
-        for info, share in zip(self._info, shares):  # one actor per data-parallel rank
-            by_dp.setdefault(info["dp_rank"], share)
+        for info, share in zip(self._info, shares):
+            by_dp.setdefault(info["dp_rank"], share[:2])
         rows = sum(len(index) for index, _ in by_dp.values())
         width = next(values.shape[1] for _, values in by_dp.values())
         out = torch.zeros(rows, width, dtype=torch.float32)
         for index, values in by_dp.values():
             out[index] = values
         return out
+
+    # -- the step in pieces (common.engine.CriticEngine), for a host that drives its own loss ------
+    def forward_backward(self, input_ids, attention_mask, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The engines' forward_backward, each actor on its data-parallel share (rows dp_rank::dp_size
+        of these rows, as compute_values): `loss_fn` (pickled to the actors) is called on every actor
+        with the values of its share and, as on any engine, the gradients are averaged over the
+        data-parallel ranks, so a loss normalised over all the rows carries a factor
+        data_parallel_ranks. Returns (the values of every row in row order, data-parallel rank 0's
+        loss or None)."""
+        input_ids, attention_mask = _by_reference(input_ids), _by_reference(attention_mask)
+        shares = self._call_all("forward_backward", input_ids, attention_mask, loss_fn)
+        return self._in_row_order(shares), shares[0][2]
+
+    def step_optimizer(self) -> float:
+        """Clip and step every engine on the accumulated gradients; the global gradient norm."""
+        return self._call_all("step_optimizer")[0]
+
+    def zero_grad(self) -> None:
+        self._call_all("zero_grad")
+
+    @property
+    def scheduler(self) -> "_GroupScheduler":
+        """The engines' LR schedule: step() steps it on every actor (update() does so itself)."""
+        return _GroupScheduler(self)
 
     def update(self, batch) -> dict[str, float]:
         """One optimizer step over the whole mini-batch (a RolloutBatch or an object reference to one);
@@ -238,6 +272,19 @@ class RayCriticGroup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _GroupScheduler:
+    """A RayCriticGroup's LR schedule as the contract's scheduler: step() and get_last_lr()."""
+
+    def __init__(self, group: RayCriticGroup):
+        self._group = group
+
+    def step(self) -> None:
+        self._group._call_all("step_scheduler")
+
+    def get_last_lr(self) -> list[float]:
+        return self._group._call_all("last_lr")[0]
 
 
 def _reason(err) -> str:

@@ -67,6 +67,27 @@ class CriticWorker:
     def update(self, batch) -> dict:
         return self.engine.update(_share(batch, self._rows(batch.input_ids.shape[0])))
 
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None) -> tuple:
+        """(this data-parallel share's row indices, their values, the loss or None): the engine's
+        forward_backward on the share, `loss_fn` called on the share's values."""
+        rows = self._rows(input_ids.shape[0])
+        values, loss = self.engine.forward_backward(input_ids[rows], attention_mask[rows], loss_fn)
+        # On the CPU: the driver may have no device (the engine returns them detached).
+        return rows, values.cpu(), None if loss is None else loss.cpu()
+
+    def step_optimizer(self) -> float:
+        return self.engine.step_optimizer()
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def step_scheduler(self) -> list[float]:
+        self.engine.scheduler.step()
+        return self.engine.scheduler.get_last_lr()
+
+    def last_lr(self) -> list[float]:
+        return self.engine.scheduler.get_last_lr()
+
     def checkpoint_bytes(self) -> int:
         return self.engine.checkpoint_bytes()
 

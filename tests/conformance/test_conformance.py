@@ -1,10 +1,12 @@
-"""The engine contract, checked the same way for every registered backend.
+"""The engine contract, checked the same way for every registered backend, at every two-rank
+layout its spec offers.
 
-Each backend runs tests/conformance/worker.py once on 2 gloo ranks; the tests below read what each
-rank saw. Under plain pytest every backend in common.registry.BACKENDS is a parameter, so a backend a
-host registers with register_backend (in a conftest or plugin imported first) runs them too. Under
-Bazel the targets are a list in tests/conformance/BUILD.bazel, one per built-in backend, each setting
-CONFORMANCE_BACKEND: a new built-in backend adds its name there.
+Each backend runs tests/conformance/worker.py once on 2 gloo ranks (data parallel 2, then each
+model-parallel layout of its spec: tensor, pipeline, context, ulysses 2); the tests below read what
+each rank saw. Every backend in common.registry.BACKENDS when this file is collected is a parameter,
+so a backend a host registers with register_backend (in a conftest or a plugin loaded first, `pytest
+-p`) runs them too; the worker gets its spec. Bazel's one target shards by backend (each shard runs
+whole backends); CONFORMANCE_BACKEND=<name> selects one.
 """
 
 import json
@@ -20,7 +22,7 @@ from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
 from critic_adapters.common.valuehead import compute_values
-from critic_adapters.tests.conformance.worker import TIMEOUT_S, rollout
+from critic_adapters.tests.conformance.worker import TIMEOUT_S, layouts, rollout, spec_json
 
 SELECTED = os.environ.get("CONFORMANCE_BACKEND")
 NAMES = [SELECTED] if SELECTED else sorted(BACKENDS)
@@ -34,9 +36,15 @@ def run(request, tmp_path_factory):
     work = root / "work"
     work.mkdir()
     run_torchrun(2, "critic_adapters.tests.conformance.worker", backend, model_dir, str(work),
+                 "--spec", spec_json(BACKENDS[backend]),
                  env=worker_env(PYTHONWARNINGS="ignore"), timeout=900)
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
     return backend, work, ranks
+
+
+def shard_key(item) -> str:
+    """Bazel shards this file by backend: a shard runs every test of the backends it gets."""
+    return item.callspec.params["run"] if hasattr(item, "callspec") else ""
 
 
 def test_every_rank_knows_its_data_parallel_coordinates_from_the_mesh(run):
@@ -48,17 +56,49 @@ def test_every_rank_knows_its_data_parallel_coordinates_from_the_mesh(run):
         assert rank["all_dp_ranks"] == [0, 1]
 
 
+def check_pieces(pieces: dict, data_parallel_ranks: int) -> None:
+    """What worker.step_in_pieces saw: forward_backward's values are compute_values', its loss moves
+    the critic, the counts and the adapter export a critic without LoRA refuses."""
+    assert pieces["values_diff"] <= 1e-5 and pieces["loss_without_fn"] is None, pieces
+    assert pieces["loss"] > 0 and pieces["grad_norm"] > 0 and pieces["moved"] > 1e-6, pieces
+    trainable, total = pieces["counts"]
+    assert 0 < trainable == total, pieces["counts"]
+    assert pieces["data_parallel_ranks"] == data_parallel_ranks
+    assert pieces["adapter"] is not None and "engine.lora.rank=0" in pieces["adapter"], pieces["adapter"]
+
+
 def test_every_engine_has_the_whole_contract_and_its_pieces_work(run):
     _, _, ranks = run
     for rank in ranks:
         assert rank["missing_members"] == [], rank["missing_members"]
-        pieces = rank["pieces"]
-        assert pieces["values_diff"] <= 1e-5 and pieces["loss_without_fn"] is None, pieces
-        assert pieces["loss"] > 0 and pieces["grad_norm"] > 0 and pieces["moved"] > 1e-6, pieces
-        trainable, total = pieces["counts"]
-        assert 0 < trainable == total, pieces["counts"]
-        assert pieces["data_parallel_ranks"] == rank["coords"]["dp_size"] == 2
-        assert pieces["adapter"] is not None and "engine.lora.rank=0" in pieces["adapter"], pieces["adapter"]
+        assert rank["coords"]["dp_size"] == 2
+        check_pieces(rank["pieces"], 2)
+
+
+def test_every_layout_the_backend_offers_runs_the_whole_contract_with_the_same_critic(run):
+    """Each model-parallel layout of two ranks (one data-parallel rank): the main pass's export loads
+    with its values, every method works, a reloaded checkpoint takes the same next step, the export
+    holds the engine's values; exactly one of the two ranks reports outputs."""
+    backend, work, ranks = run
+    names = layouts(BACKENDS[backend])
+    assert names, f"{backend} offers no model-parallel layout"  # every built-in one does
+    for name in names:
+        seen = [rank["layouts"][name] for rank in ranks]
+        assert sum(s["reports_outputs"] for s in seen) == 1, name
+        for s in seen:
+            assert s["degrees"][name] == 2 and s["dp"] == [0, 1] and s["dp_group_size"] == 1, (name, s)
+            assert s["missing_members"] == [], (name, s["missing_members"])
+            assert s["values_diff"] <= 1e-4, (name, s["values_diff"])
+            check_pieces(s["pieces"], 1)
+            assert math.isfinite(s["first_update"]["value_loss"]) and s["first_update"]["grad_norm"] > 0, name
+            assert s["reload_values_diff"] <= 1e-6, (name, s["reload_values_diff"])
+            assert s["reloaded_update"] == pytest.approx(s["next_update"], rel=1e-6, abs=1e-9), name
+        model = AutoModelForTokenClassification.from_pretrained(str(work / f"hf_export-{name}"))
+        batch = rollout(0)
+        with torch.no_grad():
+            got = compute_values(model, batch.input_ids, batch.attention_mask)
+        expected = torch.load(work / f"values-{name}.pt")
+        assert float((got - expected).abs()[batch.attention_mask.bool()].max()) <= 1e-4, name
 
 
 @pytest.mark.parametrize("step, failing_rank, message", [
@@ -110,7 +150,8 @@ def test_the_export_is_a_plain_token_classification_critic_with_the_engine_value
     for r in range(2):
         batch = rollout(r)
         expected = torch.load(work / f"values{r}.pt")
-        got = compute_values(model, batch.input_ids, batch.attention_mask)
+        with torch.no_grad():
+            got = compute_values(model, batch.input_ids, batch.attention_mask)
         mask = batch.attention_mask.bool()
         assert float((got - expected).abs()[mask].max()) <= 1e-4
 
@@ -128,4 +169,4 @@ def test_no_gloo_worker_thread_outlives_shutdown(run):
 
 
 if __name__ == "__main__":
-    run_pytest(__file__)
+    run_pytest(__file__, shard_key=shard_key)

@@ -6,8 +6,14 @@ ranks, each rank writing what it saw to WORKDIR/rank<r>.json (test_conformance.p
 In order: a warm-up engine (lazy imports may install their own warning filters or attention
 names once), then a snapshot of the process's state; an engine's coordinates; a save that fails on
 rank 0 only; NaN returns on rank 1 only; an update, a save, a second engine loading that checkpoint;
-an HF export; close, then every patched function, environment variable, RNG and warning filter
-compared with the snapshot; then shutdown and the gloo worker threads still alive.
+an HF export; then, from that export, one engine at each model-parallel layout of two ranks the
+backend's spec offers (tensor, pipeline, context, ulysses at degree 2; `layouts`) calling every
+method of the contract; close, then every patched function, environment variable, RNG and warning
+filter compared with the snapshot; then shutdown and the gloo worker threads still alive.
+
+A backend that is not built in (a host's, registered in the test process) reaches the worker as
+its spec (--spec JSON: a "module:callable" factory, its dimensions and knobs), registered here
+under the same name.
 """
 
 from __future__ import annotations
@@ -23,10 +29,17 @@ import warnings
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+from critic_adapters.common.config import (
+    BatchingConfig,
+    EngineConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+)
 from critic_adapters.common.distributed import all_gather_object, barrier, gloo_worker_threads, init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, contract_members
-from critic_adapters.common.registry import build_engine
+from critic_adapters.common.registry import BACKENDS, BackendSpec, backend_spec, build_engine, register_backend
 
 # Process-wide things an engine might patch: (module name, attribute). Compared by identity.
 WATCHED = [("torch.cuda", name) for name in ("current_device", "synchronize", "empty_cache", "is_available")] + [
@@ -84,10 +97,42 @@ def changes(before: dict, after: dict) -> list[str]:
 TIMEOUT_S = 60.0  # engine.collective_timeout_s: a rank left waiting raises within it
 
 
-def engine_config(model_dir: str) -> EngineConfig:
+def engine_config(model_dir: str, parallel: ParallelConfig | None = None) -> EngineConfig:
     return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3),
                         loss=LossConfig(clip_range=0.2), batching=BatchingConfig(micro_batch_tokens=64),
-                        collective_timeout_s=TIMEOUT_S)
+                        parallel=parallel or ParallelConfig(), collective_timeout_s=TIMEOUT_S)
+
+
+# The model-parallel layouts of two ranks, by the spec dimension that offers each (data parallel 2
+# is the main pass). Megatron's sequence_parallel is a switch of the tensor layout, tested with it
+# elsewhere (backends/megatron/tests).
+LAYOUTS = {"tensor": {"tensor": 2}, "pipeline": {"pipeline": 2}, "context": {"context": 2}, "ulysses": {"ulysses": 2}}
+
+
+def layouts(spec: BackendSpec) -> list[str]:
+    """The names (LAYOUTS keys) of every two-rank model-parallel layout `spec` offers."""
+    return [name for name in LAYOUTS if name in spec.parallel_dims]
+
+
+def spec_json(spec: BackendSpec) -> str:
+    """A spec with a "module:callable" factory as the worker's --spec argument."""
+    if not isinstance(spec.factory, str):
+        raise ValueError("the conformance worker runs in its own process: register the backend with a "
+                         "\"module:callable\" factory string, not the callable itself")
+    return json.dumps({"factory": spec.factory, "parallel_dims": sorted(spec.parallel_dims),
+                       "knobs": sorted(spec.knobs)})
+
+
+def register_from_json(name: str, text: str) -> None:
+    """Register the test process's spec of `name` here, unless this process has it already (a built-in
+    backend keeps its whole spec: launcher, check_layout, ...)."""
+    fields = json.loads(text)
+    spec = BackendSpec(factory=fields["factory"], parallel_dims=frozenset(fields["parallel_dims"]),
+                       knobs=frozenset(fields["knobs"]))
+    known = BACKENDS.get(name)
+    if known is None or (known.factory, known.parallel_dims, known.knobs) != (spec.factory, spec.parallel_dims,
+                                                                               spec.knobs):
+        register_backend(name, spec, replace=True)
 
 
 def rollout(rank: int, nan: bool = False) -> RolloutBatch:
@@ -183,8 +228,47 @@ def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
     return out
 
 
+def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((a.cpu() - b.cpu()).abs()[mask.bool()].max())
+
+
+def layout_pass(backend: str, layout: str, dist, export_dir: str, reference: torch.Tensor, workdir: str) -> dict:
+    """One engine at `layout`, built from the main pass's export, through every method: its
+    coordinates, the export's values, the step in pieces, an update, a save, the next update, a load
+    of that save and the same update again, an export. Every rank passes the same rows (the layout
+    is one data-parallel rank)."""
+    engine = build_engine(backend, engine_config(export_dir, ParallelConfig(**LAYOUTS[layout])), dist)
+    batch = rollout(0)
+    ids, mask = batch.input_ids, batch.attention_mask
+    out = {"degrees": engine.parallel.degrees(), "dp": [engine.dp_rank, engine.dp_size],
+           "dp_group_size": torch_dist.get_world_size(engine.dp_group),
+           "reports_outputs": engine.parallel.reports_outputs,
+           "missing_members": [name for name in contract_members() if not hasattr(engine, name)]}
+    out["values_diff"] = _masked_diff(engine.compute_values(ids, mask), reference, mask)
+    out["pieces"] = step_in_pieces(engine, batch, workdir)
+    out["first_update"] = engine.update(rollout(2))
+    saved = os.path.join(workdir, f"ckpt-{layout}")
+    engine.save_checkpoint(saved)
+    at_save = engine.compute_values(ids, mask)
+    next_update = engine.update(rollout(4))
+    engine.load_checkpoint(saved)
+    out["reload_values_diff"] = _masked_diff(engine.compute_values(ids, mask), at_save, mask)
+    again = engine.update(rollout(4))
+    out["next_update"] = [next_update["value_loss"], next_update["grad_norm"]]
+    out["reloaded_update"] = [again["value_loss"], again["grad_norm"]]
+    engine.export_hf(os.path.join(workdir, f"hf_export-{layout}"))
+    at_export = engine.compute_values(ids, mask)
+    if dist.is_main:
+        torch.save(at_export, os.path.join(workdir, f"values-{layout}.pt"))
+    engine.close()
+    return out
+
+
 def main() -> None:
     backend, model_dir, workdir = sys.argv[1:4]
+    if "--spec" in sys.argv:  # the backend as the test process has it registered
+        register_from_json(backend, sys.argv[sys.argv.index("--spec") + 1])
+    assert backend in BACKENDS, f"backend {backend!r} is not registered in the worker"
     dist = init_distributed()
     config = engine_config(model_dir)
     out: dict = {}
@@ -242,6 +326,9 @@ def main() -> None:
     out["resumed_next_loss"] = second.update(rollout(dist.rank + 2))["value_loss"]
     second.close()
     torch.save(values, os.path.join(workdir, f"values{dist.rank}.pt"))
+    reference = all_gather_object(values, group=torch_dist.group.WORLD)[0]  # rank 0's rows: rollout(0)
+    out["layouts"] = {layout: layout_pass(backend, layout, dist, export_dir, reference, workdir)
+                      for layout in layouts(backend_spec(backend))}
 
     out["side_effects"] = changes(before, snapshot())
     shutdown()

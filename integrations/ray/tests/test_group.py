@@ -1,7 +1,8 @@
 """RayCriticGroup on a local Ray cluster of this machine (2 actors, CPU, gloo): the same values as
 an in-process engine, the same update as the 2-rank torchrun engine, checkpoints that a new group
-continues bit-identically, megatron at TP 2 across the actors, and faults (a killed actor, NaN
-returns) that end in a clear error on the driver, never a hang."""
+continues bit-identically, megatron at TP 2 across the actors, the whole engine contract
+(common.engine.CriticEngine) with the step in pieces equal to one engine's, and faults (a killed
+actor, NaN returns) that end in a clear error on the driver, never a hang."""
 
 import os
 import time
@@ -152,24 +153,6 @@ def test_megatron_at_tensor_parallel_two_across_the_actors(ray_cluster, models, 
     assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
 
 
-def test_bad_input_raises_the_engines_message_and_the_group_stays_usable(ray_cluster, models, batch_file):
-    from critic_adapters.integrations.ray import RayCriticGroup
-
-    batch, config = rollout_batch(batch_file), engine_config(models["qwen2"])
-    returns = batch.returns.clone()
-    returns[0, 5] = float("nan")
-    with RayCriticGroup("fsdp", config, num_workers=2) as group:
-        before = group.compute_values(batch.input_ids, batch.attention_mask)
-        with pytest.raises(ValueError, match=r"returns has 1 non-finite \(NaN/inf\) entries on response tokens"):
-            group.update(RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask, batch.old_values,
-                                      returns))
-        with pytest.raises(ValueError, match=r"token ids must be in \[0, \d+\) for this model"):
-            group.compute_values(batch.input_ids.clamp(min=0) + 5000, batch.attention_mask)
-        assert torch.equal(group.compute_values(batch.input_ids, batch.attention_mask), before)  # weights untouched
-        metrics = group.update(batch)
-    assert metrics["value_loss"] > 0 and metrics["grad_norm"] > 0
-
-
 def test_a_killed_actor_ends_the_next_call_with_an_error_naming_it(ray_cluster, models, batch_file):
     from critic_adapters.integrations.ray import CriticWorkerError, RayCriticGroup
 
@@ -186,6 +169,66 @@ def test_a_killed_actor_ends_the_next_call_with_an_error_naming_it(ray_cluster, 
     with pytest.raises(RuntimeError, match="closed"):
         group.compute_values(batch.input_ids, batch.attention_mask)
     group.close()  # nothing left to close: no error
+
+
+@pytest.fixture(scope="module")
+def fsdp_group(ray_cluster, models):
+    """One fsdp group of 2 actors (data parallel 2) for the last tests of the file, which share it (it
+    holds the cluster's 2 CPUs until the module ends: no group may start after it)."""
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    with RayCriticGroup("fsdp", engine_config(models["qwen2"]), num_workers=2) as group:
+        yield group
+
+
+def test_the_group_has_the_whole_contract_and_its_step_in_pieces_is_one_engines(fsdp_group, models, batch_file):
+    """forward_backward / step_optimizer / zero_grad / scheduler on the group (each actor on its
+    data-parallel share, gradients averaged over the 2) equal one in-process engine's on every row
+    with half the loss."""
+    from critic_adapters.common.distributed import init_distributed
+    from critic_adapters.common.engine import contract_members
+    from critic_adapters.common.registry import build_engine
+
+    group, batch = fsdp_group, rollout_batch(batch_file)
+    assert [name for name in contract_members() if not hasattr(group, name)] == []
+    assert group.parallel is None and group.load_report.format
+    engine = build_engine("fsdp", engine_config(models["qwen2"]), init_distributed())
+    try:
+        values, loss = group.forward_backward(batch.input_ids, batch.attention_mask, loss_fn=lambda v: (v ** 2).sum())
+        expected, whole = engine.forward_backward(batch.input_ids, batch.attention_mask,
+                                                  loss_fn=lambda v: (v ** 2).sum() / 2)
+        real = batch.attention_mask.bool()
+        assert torch.allclose(values[real], expected[real], atol=1e-6), (values - expected).abs().max()
+        assert 0 < float(loss) < 2 * float(whole)  # data-parallel rank 0's share of the loss
+        assert group.step_optimizer() == pytest.approx(engine.step_optimizer(), rel=1e-5)
+        group.scheduler.step()
+        engine.scheduler.step()
+        assert group.scheduler.get_last_lr() == engine.scheduler.get_last_lr()
+        after = group.compute_values(batch.input_ids, batch.attention_mask)
+        assert torch.allclose(after[real], engine.compute_values(batch.input_ids, batch.attention_mask)[real], atol=1e-5)
+        assert not torch.allclose(after[real], values[real], atol=1e-4)  # the step moved the critic
+        group.forward_backward(batch.input_ids, batch.attention_mask, loss_fn=lambda v: v.sum())
+        group.zero_grad()
+        assert group.step_optimizer() == 0.0  # the gradients zero_grad dropped are not stepped on
+        values_only, no_loss = group.forward_backward(batch.input_ids, batch.attention_mask)
+        assert no_loss is None and values_only.shape == batch.input_ids.shape
+    finally:
+        engine.close()
+
+
+def test_bad_input_raises_the_engines_message_and_the_group_stays_usable(fsdp_group, batch_file):
+    batch, group = rollout_batch(batch_file), fsdp_group
+    returns = batch.returns.clone()
+    returns[0, 5] = float("nan")
+    before = group.compute_values(batch.input_ids, batch.attention_mask)
+    with pytest.raises(ValueError, match=r"returns has 1 non-finite \(NaN/inf\) entries on response tokens"):
+        group.update(RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask, batch.old_values,
+                                  returns))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, \d+\) for this model"):
+        group.compute_values(batch.input_ids.clamp(min=0) + 5000, batch.attention_mask)
+    assert torch.equal(group.compute_values(batch.input_ids, batch.attention_mask), before)  # weights untouched
+    metrics = group.update(batch)
+    assert metrics["value_loss"] > 0 and metrics["grad_norm"] > 0
 
 
 if __name__ == "__main__":
