@@ -13,13 +13,13 @@ The backend comes from --backend, else the config's `backend`, else fsdp;
 `python -m critic_adapters.backends.<name>.train` is this launcher with the backend fixed. Without
 torchrun, --nproc N > 1 relaunches itself under torchrun (gloo on CPU, nccl on GPU); without
 --nproc it starts the processes engine.parallel needs (tensor x pipeline x context x ulysses).
-Keys: common/config.py (every field has a docstring) or --print-config. The launcher is
-common/launcher.py.
+Keys: common/engine/config.py (every field has a docstring) or --print-config. The launcher is
+common/job/launcher.py.
 """
 
 from __future__ import annotations
 
-from .common.launcher import LauncherSpec, exit_process, launch
+from .common.job.launcher import LauncherSpec, exit_process, launch
 
 
 def main(argv: list[str] | None = None) -> int:

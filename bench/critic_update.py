@@ -10,7 +10,7 @@ the same data and weights.
 (b) padded-tokencls *ForTokenClassification, micro-batches of consecutive rows of the padded batch
 (c) sorted-tokencls (b) with rows sorted by length and each micro-batch trimmed to its longest row
 (d) engine          FSDPCriticEngine (world of one): packed rows, per-sequence attention, token budget
-(e) <name>-engine   every other registered backend's engine (common/registry.py; by default all of
+(e) <name>-engine   every other registered backend's engine (common/engine/registry.py; by default all of
                     them: megatron at TP 1, veomni), world of one, the same batch, weights and token
                     budget, alive beside the FSDP engine in this one process
 Each step is a full update: forward, clipped value loss (normalised over the mini-batch), backward,
@@ -44,9 +44,9 @@ if __package__ in (None, ""):  # run as a file (python bench/critic_update.py): 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from critic_adapters.common.batching import plan_fixed_size
+from critic_adapters.common.parallel.batching import plan_fixed_size
 from critic_adapters.common.engine import RolloutBatch, shift_to_tokens
-from critic_adapters.common.loss import loss_normalizer, value_loss
+from critic_adapters.common.learning.loss import loss_normalizer, value_loss
 from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.common.valuehead.config import critic_head
 from critic_adapters.common.valuehead.trl_compat import require_trl_value_head_class
@@ -171,9 +171,9 @@ def matmul_peak(repeats: int = 5, size: int = 2048) -> float:
 def build(workdir: str, sequences: int, other_backends: list[str], lora_rank: int = 0):
     import dataclasses
 
-    from critic_adapters.common.config import (BatchingConfig, EngineConfig, LoRAConfig, LossConfig, ModelConfig,
+    from critic_adapters.common.engine.config import (BatchingConfig, EngineConfig, LoRAConfig, LossConfig, ModelConfig,
                                                OptimConfig)
-    from critic_adapters.common.distributed import init_distributed
+    from critic_adapters.common.parallel.distributed import init_distributed
     from critic_adapters.common.engine import build_engine
     from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--lora-rank", type=int, default=16,
                         help="also run a LoRA critic of this rank on the FSDP engine (0: none)")
-    from critic_adapters.common.registry import BACKENDS
+    from critic_adapters.common.engine.registry import BACKENDS
 
     others = ",".join(sorted(name for name in BACKENDS if name != "fsdp"))
     parser.add_argument("--backends", default=others,

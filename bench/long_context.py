@@ -47,7 +47,7 @@ SPLIT_DIMS = ("ulysses", "context")  # the ways a backend splits one sequence (e
 
 def split_keys() -> dict[str, str]:
     """Every registered backend that splits sequences -> its split dimension, from the specs."""
-    from critic_adapters.common.registry import BACKENDS
+    from critic_adapters.common.engine.registry import BACKENDS
 
     return {name: next(dim for dim in SPLIT_DIMS if dim in spec.parallel_dims)
             for name, spec in BACKENDS.items() if set(SPLIT_DIMS) & spec.parallel_dims}
@@ -104,9 +104,9 @@ def worker(backend: str, model_dir: str, length: int, degree: int, out_file: str
     import warnings
 
     warnings.filterwarnings("ignore")
-    from critic_adapters.common.config import (BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig,
+    from critic_adapters.common.engine.config import (BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig,
                                                ParallelConfig)
-    from critic_adapters.common.distributed import all_reduce, init_distributed, shutdown
+    from critic_adapters.common.parallel.distributed import all_reduce, init_distributed, shutdown
     from critic_adapters.common.engine import build_engine
 
     dist = init_distributed()

@@ -39,7 +39,7 @@ WORLD = 2
 
 def engine_config(model_dir: str, budget: int):
     from critic_adapters.bench.critic_update import CLIP
-    from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+    from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
 
     return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-5),
                         loss=LossConfig(clip_range=CLIP), batching=BatchingConfig(packing=True, micro_batch_tokens=budget))
@@ -57,9 +57,9 @@ def _timed(step, repeats: int) -> list[float]:
 
 def torchrun_worker(model_dir: str, batch_file: str, repeats: int, out: str) -> None:
     """One torchrun rank: its share of the batch, `repeats` timed updates; rank 0 writes the times."""
-    from critic_adapters.common.distributed import init_distributed, shutdown
+    from critic_adapters.common.parallel.distributed import init_distributed, shutdown
     from critic_adapters.common.engine import RolloutBatch
-    from critic_adapters.common.registry import build_engine
+    from critic_adapters.common.engine.registry import build_engine
 
     data = torch.load(batch_file)
     dist = init_distributed()

@@ -1,4 +1,4 @@
-"""Compare how well a critic learns with the MSE loss and with HL-Gauss (common/hl_gauss.py): the
+"""Compare how well a critic learns with the MSE loss and with HL-Gauss (common/learning/hl_gauss.py): the
 default training job (embedded tiny Qwen2 critic, 2048 rollouts, 4 epochs, the same seeds and
 steps) run with engine.loss.kind=mse and =hl_gauss, on two rollout sets:
 
@@ -47,14 +47,14 @@ SEED = 0
 
 
 def response_bonus(record: dict) -> float:
-    """The default rollouts' token-dependent part of the reward (common/data.py: make_default_records)."""
+    """The default rollouts' token-dependent part of the reward (common/learning/data.py: make_default_records)."""
     response = [t for t, m in zip(record["input_ids"], record["response_mask"]) if m]
     return 0.5 * (sum(1 for t in response if t % 2 == 0) / len(response) - 0.5)
 
 
 def heavy_tailed_records(num_rollouts: int, seed: int) -> list[dict]:
     """The default rollouts with heavy-tailed task values and noise (see the module docstring)."""
-    from critic_adapters.common.data import TASK_TOKENS, make_default_records
+    from critic_adapters.common.learning.data import TASK_TOKENS, make_default_records
 
     t2 = torch.distributions.StudentT(2.0)
     with torch.random.fork_rng(devices=[]):  # the sampler draws from the global RNG: seed a copy of it
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--losses", default="mse,mse_unclipped,hl_gauss", help="losses to run (comma-separated)")
     args = parser.parse_args(argv)
 
-    from critic_adapters.common.data import make_default_records
+    from critic_adapters.common.learning.data import make_default_records
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="critic_value_learning_") as tmp:

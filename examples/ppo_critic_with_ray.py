@@ -3,7 +3,7 @@ critic updates over mini-batches, a checkpoint and an HF export.
 
   python examples/ppo_critic_with_ray.py [--backend fsdp] [--workers 2] [--iterations 3] [--out outputs/ray-example]
 
-The policy is not part of this example: its rollouts are the embedded generator's (common/data.py),
+The policy is not part of this example: its rollouts are the embedded generator's (common/learning/data.py),
 with per-token rewards, put in Ray's object store the way a stack's generation actors would hand them
 over (the group reads them from there: no copy through this driver per worker). On a laptop it
 starts a local Ray cluster (loopback only); pass --address to join one.
@@ -41,10 +41,10 @@ def main(argv=None) -> int:
 
     import ray
 
-    from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
-    from critic_adapters.common.data import gae_returns, make_default_records, to_rollouts
+    from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from critic_adapters.common.learning.data import gae_returns, make_default_records, to_rollouts
     from critic_adapters.common.engine import RolloutBatch, shift_to_tokens
-    from critic_adapters.common.loss import explained_variance
+    from critic_adapters.common.learning.loss import explained_variance
     from critic_adapters.common.testdata import save_tiny_causal_lm
     from critic_adapters.integrations.ray import RayCriticGroup
     from critic_adapters.integrations.ray.cluster import ensure_ray, shutdown_ray

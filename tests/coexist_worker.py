@@ -13,9 +13,9 @@ import torch
 import torch.distributed as torch_dist
 from megatron.core import parallel_state
 
-from critic_adapters.common.config import EngineConfig, ParallelConfig
-from critic_adapters.common.distributed import gloo_worker_threads, init_distributed, shutdown
-from critic_adapters.common.registry import build_engine
+from critic_adapters.common.engine.config import EngineConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import gloo_worker_threads, init_distributed, shutdown
+from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.tests.conformance.worker import engine_config, rollout
 
 

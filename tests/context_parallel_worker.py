@@ -22,8 +22,8 @@ import warnings
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
 from critic_adapters.common.tests.helpers import FIELDS, save_rollout_batch
 from critic_adapters.common.tests.torchrun import argv_runs

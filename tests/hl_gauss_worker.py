@@ -14,9 +14,9 @@ import os
 import sys
 import warnings
 
-from critic_adapters.common.config import EngineConfig, HLGaussConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
-from critic_adapters.common.registry import build_engine
+from critic_adapters.common.engine.config import EngineConfig, HLGaussConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transform_worker import finish
 

@@ -19,9 +19,9 @@ import warnings
 
 import dataclasses
 
-from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import all_gather_object, init_distributed, shutdown
-from critic_adapters.common.registry import build_engine
+from critic_adapters.common.engine.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import all_gather_object, init_distributed, shutdown
+from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transform_worker import finish
 from critic_adapters.tests.transform_worker import parameters as module_parameters

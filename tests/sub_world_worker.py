@@ -1,7 +1,7 @@
 """torchrun worker (4 processes): a host that gives the critic 2 of its 4 ranks.
 
 argv: model_dir batch_file out_dir. Every rank builds the critic's mesh over ranks {2, 3}
-(common.mesh.build_mesh(ranks=...), collective over the world) and the host's own group over
+(common.engine.mesh.build_mesh(ranks=...), collective over the world) and the host's own group over
 {0, 1}. Ranks 0 and 1 play the actor: collectives of their own, many of them, while ranks 2 and 3
 run an fsdp critic on its sub-world: values, one update, a checkpoint saved and loaded back, an
 export. A collective of the critic on the default group would wait for ranks 0 and 1 forever; the
@@ -17,10 +17,10 @@ import warnings
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed, process_group_backend, shutdown
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, process_group_backend, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
-from critic_adapters.common.mesh import build_mesh
+from critic_adapters.common.engine.mesh import build_mesh
 from critic_adapters.common.tests.helpers import FIELDS
 
 CRITIC_RANKS = [2, 3]

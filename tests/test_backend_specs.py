@@ -3,9 +3,9 @@ one embedded default job with the backend's own settings on top."""
 
 import importlib.util
 
-from critic_adapters.common.config import load_train_config
-from critic_adapters.common.launcher import DEFAULT_JOB
-from critic_adapters.common.registry import backend_spec
+from critic_adapters.common.engine.config import load_train_config
+from critic_adapters.common.job.launcher import DEFAULT_JOB
+from critic_adapters.common.engine.registry import backend_spec
 from critic_adapters.common.tests.helpers import run_pytest
 
 

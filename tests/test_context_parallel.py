@@ -119,7 +119,7 @@ def test_a_context_2_checkpoint_resumes_at_context_1(resumed):
 
 def test_a_world_that_does_not_divide_by_the_context_degree_is_refused():
     from critic_adapters.backends.megatron.config import check_megatron_config
-    from critic_adapters.common.config import ParallelConfig
+    from critic_adapters.common.engine.config import ParallelConfig
 
     with pytest.raises(ValueError, match=r"tensor \* pipeline \* context = 4; launch a multiple of 4"):
         check_megatron_config(tiny_config("qwen2"), ParallelConfig(tensor=2, context=2), world_size=2)

@@ -1,4 +1,4 @@
-"""HL-Gauss critics (common/hl_gauss.py) on every backend, checked against an independent reference:
+"""HL-Gauss critics (common/learning/hl_gauss.py) on every backend, checked against an independent reference:
 plain transformers loading the engine's export (a TokenCls with num_bins labels), the HL-Gauss
 cross-entropy written here from its definition (torch.special.ndtr for the Gaussian CDF), AdamW and
 clip 1.0 in one process over the whole mini-batch."""

@@ -1,4 +1,4 @@
-"""LoRA critics (common/lora.py) checked against what peft itself does: the engine's adapter loads
+"""LoRA critics (common/engine/lora.py) checked against what peft itself does: the engine's adapter loads
 into plain transformers + peft with no missing or unexpected keys, and one engine update equals an
 independent single-process peft step (AdamW over peft's trainable parameters, clip 1.0, the same
 clipped value loss over the whole mini-batch)."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from critic_adapters.common.config import EngineConfig, LoRAConfig, ModelConfig
+from critic_adapters.common.engine.config import EngineConfig, LoRAConfig, ModelConfig
 from critic_adapters.common.engine import shift_to_tokens
-from critic_adapters.common.loss import value_loss
+from critic_adapters.common.learning.loss import value_loss
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun_group, worker_env
@@ -212,8 +212,8 @@ def test_the_fingerprint_names_the_lora_settings(run):
 
 
 def test_bad_lora_settings_are_one_line_before_anything_is_built(model_dirs, tmp_path):
-    from critic_adapters.common.config import load_train_config
-    from critic_adapters.common.registry import check_layout
+    from critic_adapters.common.engine.config import load_train_config
+    from critic_adapters.common.engine.registry import check_layout
 
     with pytest.raises(ValueError, match=r"engine.lora.rank=-1 must be >= 0"):
         load_train_config([], ["engine.lora.rank=-1"])

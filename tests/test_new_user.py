@@ -85,7 +85,7 @@ def test_2_yaml_files_layer_on_the_backends_defaults(tmp_path):
     assert config["engine"]["optim"]["lr"] == 3e-4 and config["engine"]["optim"]["warmup_steps"] == 5
     assert config["engine"]["optim"]["lr_schedule"] == "cosine"
     help_text = launch(MEGATRON, "--help").stdout
-    assert "later wins, key by key" in help_text and "common/default_job.yaml" in help_text
+    assert "later wins, key by key" in help_text and "common/job/default_job.yaml" in help_text
 
 
 # 3. The dry run and the launcher check the process count, the layout and the heads first.
@@ -193,7 +193,7 @@ def test_7_the_console_names_every_output(fsdp_run):
 
 INTERRUPT_AFTER_EXPORT = """
 import sys
-import critic_adapters.common.trainer as trainer
+import critic_adapters.common.job.trainer as trainer
 from critic_adapters.backends.fsdp.train import main
 
 def interrupted(*args, **kwargs):
@@ -226,7 +226,7 @@ def test_7_ctrl_c_after_training_finished_says_so(interrupted_run):
 
 # 8. The plot compares like with like; metrics rows carry epoch and time; the README links the definitions.
 def test_8_plot_and_metrics_rows(fsdp_run):
-    from critic_adapters.common.metrics import metrics_figure
+    from critic_adapters.common.job.metrics import metrics_figure
 
     records = [{"step": 0, "split": "eval", "epoch": 0, "value_loss": 2.0, "explained_variance": -3.0},
                {"step": 1, "split": "train", "epoch": 1, "value_loss": 9.0, "mse": 1.5, "explained_variance": -2.0}]
@@ -348,7 +348,7 @@ def test_13_small_ones(tmp_path):
 def test_27_dry_runs_refuse_what_launches_refuse_before_anything_is_written(tmp_path):
     import torch
 
-    from critic_adapters.common.hl_gauss import HLGaussSupport
+    from critic_adapters.common.learning.hl_gauss import HLGaussSupport
     from critic_adapters.common.testdata import tiny_config
     from critic_adapters.common.valuehead import save_critic
     from critic_adapters.common.valuehead.config import critic_class, critic_config
@@ -375,8 +375,8 @@ def test_27_dry_runs_refuse_what_launches_refuse_before_anything_is_written(tmp_
 
 def test_13_the_nan_hint_names_the_real_module():
     import torch
-    from critic_adapters.common.config import TrainConfig
-    from critic_adapters.common.trainer import check_model_values
+    from critic_adapters.common.engine.config import TrainConfig
+    from critic_adapters.common.job.trainer import check_model_values
 
     with pytest.raises(ValueError, match=r"python -m critic_adapters\.common\.valuehead inspect"):
         check_model_values(torch.tensor([[0.0, float("nan")]]), torch.tensor([[0, 1]]), TrainConfig(), "values")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 
-from critic_adapters.common.data import make_default_records
+from critic_adapters.common.learning.data import make_default_records
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_in_process, worker_env
 

@@ -1,5 +1,5 @@
 """An engine on a sub-world (issue 26): a host with 4 gloo ranks gives the critic ranks {2, 3}
-(common.mesh.build_mesh(ranks=[2, 3])) and keeps {0, 1} for its actor, which runs collectives of
+(common.engine.mesh.build_mesh(ranks=[2, 3])) and keeps {0, 1} for its actor, which runs collectives of
 its own meanwhile (tests/sub_world_worker.py). The fsdp critic loads (rank 2 reads, rank 3 gets
 the broadcast), computes the values a plain load gives, takes an update whose loss covers both
 critic ranks' tokens, saves and loads a checkpoint, and exports what it holds; megatron and VeOmni,

@@ -1,4 +1,4 @@
-"""The model-transform stage (common/transforms.py) on every backend: transforms rewrite the critic
+"""The model-transform stage (common/engine/transforms.py) on every backend: transforms rewrite the critic
 between load and parallelise, optimizers step the trainable parameters only, the fingerprint
 records the transforms, and export_hf writes a plain critic (what a transform added is folded
 back) whose values are the engine's. On megatron the converted module follows what the transforms
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from critic_adapters.common.checkpoints import critic_fingerprint
+from critic_adapters.common.storage.checkpoints import critic_fingerprint
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun_group, worker_env
@@ -77,8 +77,8 @@ def test_the_export_is_the_plain_critic_with_the_engine_values(run):
 
 
 def test_megatron_refuses_a_transform_that_adds_a_parameter_before_building(model_dir):
-    from critic_adapters.common.config import EngineConfig, ModelConfig
-    from critic_adapters.common.registry import check_layout
+    from critic_adapters.common.engine.config import EngineConfig, ModelConfig
+    from critic_adapters.common.engine.registry import check_layout
     from critic_adapters.tests.transforms_for_tests import register_test_transforms
 
     register_test_transforms()

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (common/ulysses.py) on the fsdp and veomni engines, 2 gloo ranks:
+"""Ulysses sequence parallelism (common/parallel/ulysses.py) on the fsdp and veomni engines, 2 gloo ranks:
 ulysses=2 against ulysses=1 on the same rows, for a qwen2 critic (4 query heads, 2 KV heads) and a
 llama critic with a single KV head (replicated for the two ranks, and run with gradient
 checkpointing, so the backward recomputes the split attention), packed and padded; and two naive
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from critic_adapters.common import ulysses
+from critic_adapters.common.parallel import ulysses
 from critic_adapters.common.testdata import save_tiny_causal_lm, tiny_config
 from critic_adapters.common.tests.helpers import run_pytest, save_rollout_batch
 from critic_adapters.common.tests.torchrun import run_launcher_in_process, run_torchrun, worker_env

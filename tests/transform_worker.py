@@ -14,9 +14,9 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
-from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
-from critic_adapters.common.registry import build_engine
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transforms_for_tests import register_test_transforms
 

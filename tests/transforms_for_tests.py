@@ -3,7 +3,7 @@
 
 import torch
 
-from critic_adapters.common.transforms import TRANSFORMS, ModelTransform, register_transform
+from critic_adapters.common.engine.transforms import TRANSFORMS, ModelTransform, register_transform
 from critic_adapters.common.valuehead.config import critic_head
 
 

@@ -18,11 +18,11 @@ import warnings
 
 import torch
 
-from critic_adapters.common import ulysses
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.parallel import ulysses
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
-from critic_adapters.common.packed_attention import segment_bounds
+from critic_adapters.common.parallel.packed_attention import segment_bounds
 from critic_adapters.common.tests.helpers import save_rollout_batch
 
 # Packed: one micro-batch of 43 tokens, split at 22, so the third sequence straddles the ranks;

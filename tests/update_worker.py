@@ -10,8 +10,8 @@ import warnings
 
 import torch
 
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
 
 from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402

@@ -17,8 +17,8 @@ import torch
 
 def main():
     package, model_dir, out_dir = sys.argv[1:4]
-    distributed = importlib.import_module(f"{package}.common.distributed")
-    config = importlib.import_module(f"{package}.common.config")
+    distributed = importlib.import_module(f"{package}.common.parallel.distributed")
+    config = importlib.import_module(f"{package}.common.engine.config")
     engine_api = importlib.import_module(f"{package}.common.engine")
     valuehead = importlib.import_module(f"{package}.common.valuehead")
 

@@ -1,1 +1,1 @@
-"""FSDP2 (fully_shard) critic engine and launcher; the engine API, checkpoints and export are common/fsdp2_core.py's."""
+"""FSDP2 (fully_shard) critic engine and launcher; the engine API, checkpoints and export are common/engine/fsdp2_core.py's."""

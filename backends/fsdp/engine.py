@@ -2,9 +2,9 @@
 sharded with fully_shard over the mesh's data-parallel ranks and trained with the
 mini-batch-normalised clipped value loss on packed, token-budget micro-batches.
 
-Built through common.registry.build_engine("fsdp", config, dist, mesh=None); the engine API and
-everything but building is common.fsdp2_core.FSDP2Engine's (the contract: common/engine.py). Its
-one model-parallel dimension is Ulysses (engine.parallel.ulysses = N, common/ulysses.py): each
+Built through common.engine.registry.build_engine("fsdp", config, dist, mesh=None); the engine API and
+everything but building is common.engine.fsdp2_core.FSDP2Engine's (the contract: common/engine/__init__.py). Its
+one model-parallel dimension is Ulysses (engine.parallel.ulysses = N, common/parallel/ulysses.py): each
 sequence split over N ranks, and FSDP shards over data parallel x Ulysses; without it every rank of
 the mesh is a data-parallel rank.
 """
@@ -17,11 +17,11 @@ import torch
 
 from .parallelize import parallelize_critic
 from .sharded_load import load_sharded_critic
-from ...common.fsdp2_core import DTYPES, FSDP2Engine, attention_for
-from ...common.mesh import ParallelMesh, build_mesh
-from ...common.schedule import build_scheduler
-from ...common.pipeline import engine_transforms
-from ...common.transforms import apply_transforms, trainable_parameters
+from ...common.engine.fsdp2_core import DTYPES, FSDP2Engine, attention_for
+from ...common.engine.mesh import ParallelMesh, build_mesh
+from ...common.engine.schedule import build_scheduler
+from ...common.engine.pipeline import engine_transforms
+from ...common.engine.transforms import apply_transforms, trainable_parameters
 
 
 class FSDPCriticEngine(FSDP2Engine):

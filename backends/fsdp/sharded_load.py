@@ -4,11 +4,11 @@ Every rank builds the critic's module tree on the meta device and shards it; onl
 shard group (the data-parallel ranks, times the Ulysses degree) reads the checkpoint (load_critic:
 any format, the head checks, the load report). Its full state (parameters and buffers, which FSDP
 does not shard: rotary frequencies) is then broadcast tensor by tensor over the shard group into
-the other ranks' shards (common.shard_state), so a rank other than 0 holds its shard plus one
+the other ranks' shards (common.parallel.shard_state), so a rank other than 0 holds its shard plus one
 tensor in flight — never the whole model, nor the checkpoint's mapped pages. The shard group may be
 a sub-world of the host's ranks: nothing here runs on the default group.
 
-The configured transforms (common/transforms.py) rewrite the critic between loading and sharding:
+The configured transforms (common/engine/transforms.py) rewrite the critic between loading and sharding:
 rank 0's loaded copy and every rank's meta tree alike. With one shard rank there is nothing
 to shard: the critic is loaded and transformed as it is.
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...common.distributed import broadcast_object
-from ...common.mesh import ParallelMesh
-from ...common.shard_state import broadcast_state_into
+from ...common.parallel.distributed import broadcast_object
+from ...common.engine.mesh import ParallelMesh
+from ...common.parallel.shard_state import broadcast_state_into
 from ...common.valuehead import LoadReport, load_critic
 from ...common.valuehead.config import DECLARED_HEAD, critic_class, install_value_head
 from ...common.valuehead.load import plan_load

@@ -4,7 +4,7 @@ N x N mask over a packed row.
 It takes the place of megatron's DotProductAttention in the layer spec. Packed rows arrive in
 megatron's THD layout (PackedSeqParams with qkv_format="thd": q (t, np, hn), k/v (t, ng, hn), with
 rotary already applied per sequence from cu_seqlens); each sequence runs causal sdpa on its own
-span, spans of equal length batched in one call, as common/packed_attention.py does for HF models.
+span, spans of equal length batched in one call, as common/parallel/packed_attention.py does for HF models.
 Padded rows arrive as (s, b, n, hn) with a boolean [b, 1, s, s] mask (True = masked out).
 On GPU with TransformerEngine, TE's attention takes the same PackedSeqParams instead.
 
@@ -25,7 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from . import context_parallel as cp
-from ...common.sequence_parallel import all_gather_summed_grad, group_rank, group_size
+from ...common.parallel.sequence_parallel import all_gather_summed_grad, group_rank, group_size
 
 
 def gather_keys(x: torch.Tensor, group, bounds: list[int]) -> torch.Tensor:

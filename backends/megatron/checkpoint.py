@@ -2,9 +2,9 @@
 
 A checkpoint directory holds the dist_checkpointing shards of model + optimizer (global tensors:
 any tensor/pipeline layout reloads them, so a TP2 checkpoint resumes at TP1 and back),
-`trainer_state.pt` (common.checkpoints.save_trainer_state) and
+`trainer_state.pt` (common.storage.checkpoints.save_trainer_state) and
 `critic_checkpoint.json` (the HF critic's fingerprint, independent of the parallel layout), written
-last. Staging, the all-ranks-or-none commit and the fingerprint are common/checkpoints.py's.
+last. Staging, the all-ranks-or-none commit and the fingerprint are common/storage/checkpoints.py's.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import torch
 from megatron.core import dist_checkpointing
 
 from . import compat
-from ...common.checkpoints import (
+from ...common.storage.checkpoints import (
     check_meta,
     load_trainer_state,
     save_trainer_state,
     staged_checkpoint,
     write_meta,
 )
-from ...common.distributed import one_outcome
+from ...common.parallel.distributed import one_outcome
 from ...common.valuehead import save_critic
 
 
@@ -40,7 +40,7 @@ def _sharded_state(ddp_model, optimizer, *, is_loading: bool) -> dict:
 
 def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
     """Write a complete checkpoint to `directory` (replacing one there only once the new one is whole);
-    a failure on any rank raises on every rank (common.checkpoints.staged_checkpoint)."""
+    a failure on any rank raises on every rank (common.storage.checkpoints.staged_checkpoint)."""
     state = _sharded_state(engine.model, engine.optimizer, is_loading=False)
     main = engine.dist.is_main
     with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from ...common.config import EngineConfig, ParallelConfig
+from ...common.engine.config import EngineConfig, ParallelConfig
 
 # Families whose HF layout maps onto a megatron-core GPTModel with our converter (convert.py):
 # RMSNorm, SwiGLU, rotary, GQA; what differs between them is only the attention extras.
@@ -93,7 +93,7 @@ def check_megatron_config(hf_config: PretrainedConfig, parallel: ParallelConfig,
 
 
 def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: int) -> None:
-    """The BackendSpec hook (common/registry.py): what check_megatron_config refuses, before any
+    """The BackendSpec hook (common/engine/registry.py): what check_megatron_config refuses, before any
     process starts (the launcher's and dry run's check)."""
     check_megatron_config(hf_config, config.parallel, world_size)
     check_megatron_transforms(config.transforms)
@@ -116,7 +116,7 @@ def check_megatron_transforms(names) -> None:
     """engine.transforms on megatron: transforms that only freeze parameters. The critic is converted
     to megatron's module by parameter name (convert.py), so a transform that adds or renames
     parameters (one with `to_plain`) has no megatron form; LoRA has its own (lora.py)."""
-    from ...common.transforms import resolve_transforms
+    from ...common.engine.transforms import resolve_transforms
 
     rewriting = [name for name, t in zip(names, resolve_transforms(names)) if t.to_plain is not None]
     if rewriting:

@@ -166,7 +166,7 @@ def follow_frozen(model: torch.nn.Module, critic: torch.nn.Module, traits: Famil
     """Freeze each of this stage's converted megatron parameters whose HF sources the transforms
     froze (freeze_embeddings, freeze_backbone, LoRA's frozen base); ValueError when a fused megatron
     tensor (qkv, gate_up) has frozen and trainable sources, which cannot be split."""
-    from ...common.lora import base_state
+    from ...common.engine.lora import base_state
 
     trainable = base_state({name: p.requires_grad for name, p in critic.named_parameters()})
     params = dict(model.named_parameters())

@@ -1,8 +1,8 @@
 """Megatron-core critic engine: the shared critic's weights in a megatron GPTModel with tensor,
 pipeline, sequence, context and data parallelism, trained with megatron's schedules and optimizer
-and the mini-batch-normalised clipped value loss (common.update_step) as the loss closure.
+and the mini-batch-normalised clipped value loss (common.engine.update_step) as the loss closure.
 
-Built through common.engine.build_engine("megatron", config, dist); see common/engine.py for the API.
+Built through common.engine.build_engine("megatron", config, dist); see common/engine/__init__.py for the API.
 Every rank passes its data-parallel share (`dp_rank` of `dp_size`); the tensor-, pipeline- and
 context-parallel peers of a rank pass the same rows (context parallelism splits each micro-batch's
 sequences over them inside the engine, inputs.py, and gathers the values back).
@@ -27,18 +27,18 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
     from .config import check_megatron_config, check_megatron_targets, check_megatron_transforms, transformer_config
     from .inputs import model_inputs
     from .value_model import build_value_model, te_available
-from ...common.batching import MicroBatch
-from ...common.checkpoints import critic_fingerprint
-from ...common.config import EngineConfig
-from ...common.distributed import DistContext, all_reduce, one_outcome
+from ...common.parallel.batching import MicroBatch
+from ...common.storage.checkpoints import critic_fingerprint
+from ...common.engine.config import EngineConfig
+from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
-from ...common.hl_gauss import head_values
-from ...common.mesh import CONTEXT, ParallelMesh, check_spans_world
-from ...common.registry import check_engine_config
-from ...common.update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
-from ...common.lora import base_state, injected_names, write_adapter
-from ...common.pipeline import engine_transforms
-from ...common.transforms import apply_transforms, export_state_dict, transform_names
+from ...common.learning.hl_gauss import head_values
+from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
+from ...common.engine.registry import check_engine_config
+from ...common.engine.update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
+from ...common.engine.lora import base_state, injected_names, write_adapter
+from ...common.engine.pipeline import engine_transforms
+from ...common.engine.transforms import apply_transforms, export_state_dict, transform_names
 from ...common.valuehead import load_critic
 from ...common.valuehead.config import head_name
 from ...common.valuehead.load import plan_load
@@ -221,7 +221,7 @@ class MegatronCriticEngine:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch; returns the metrics of
-        common.update_step.METRICS over all data-parallel shares."""
+        common.engine.update_step.METRICS over all data-parallel shares."""
         # Each data-parallel share counted once, by its last-stage, tensor- and context-rank-0 process;
         # every rank gets the metrics (global rank 0, which logs them, may be a first pipeline stage).
         return one_update(self, batch, dp_group=self.parallel.world_group, counts=self._counts_share())
@@ -233,7 +233,7 @@ class MegatronCriticEngine:
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """common.fsdp2_core.FSDP2Engine.forward_backward's contract through megatron's schedule: one
+        """common.engine.fsdp2_core.FSDP2Engine.forward_backward's contract through megatron's schedule: one
         micro-batch of these rows; loss_fn(values [B, T] float32, unshifted, with gradients) on the
         last pipeline stage, backpropagated as it is (DDP averages gradients over the data-parallel
         ranks). Returns (values, the loss or None) on every rank (tensor and pipeline peers too)."""
@@ -304,7 +304,7 @@ class MegatronCriticEngine:
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full HF critic state dict on global rank 0 (None elsewhere), gathered from every shard;
         with LoRA, the HF critic's with peft's layers (`<module>.base_layer.weight`,
-        `<module>.lora_A.default.weight`, ...), which common.lora maps to a plain critic or an adapter."""
+        `<module>.lora_A.default.weight`, ...), which common.engine.lora maps to a plain critic or an adapter."""
         own = None
         if self.dp_rank == 0 and self.cp_rank == 0:  # data- and context-parallel replicas hold the same weights
             own = ((self.pp_rank, self.tp_rank), self.layout,
@@ -339,7 +339,7 @@ class MegatronCriticEngine:
                                     self.critic_class, self.hf_config)
 
     def export_adapter(self, directory: str) -> None:
-        """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py);
+        """Write the LoRA adapter and the trained head as a peft adapter directory (common/engine/lora.py);
         engine.lora.rank must be > 0."""
         lora = self.config.lora
         if not lora.rank:

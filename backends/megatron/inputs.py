@@ -1,4 +1,4 @@
-"""A common.batching MicroBatch as megatron-core GPTModel inputs.
+"""A common.parallel.batching MicroBatch as megatron-core GPTModel inputs.
 
 Packed rows become THD inputs: ids (1, N), position ids restarting per sequence, and
 PackedSeqParams whose cu_seqlens bound the per-sequence attention (attention.py on CPU, TE on
@@ -22,8 +22,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from . import context_parallel as cp
-from ...common.batching import MicroBatch
-from ...common.sequence_parallel import gather_sequence, group_rank, group_size, round_up
+from ...common.parallel.batching import MicroBatch
+from ...common.parallel.sequence_parallel import gather_sequence, group_rank, group_size, round_up
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class ModelInputs:
     def crop(self, values: torch.Tensor) -> torch.Tensor:
         """(b, s, ...) values of this rank -> (b, length, ...): what MicroBatch.unpack expects. Under CP
         the values of every rank are gathered first; each rank then computes the same loss from them,
-        so the gather's backward is this rank's slice (common/sequence_parallel.py)."""
+        so the gather's backward is this rank's slice (common/parallel/sequence_parallel.py)."""
         if self.cp_group is None:
             return values[:, : self.length]
         gathered = gather_sequence(values, self.cp_group, dim=1)

@@ -35,8 +35,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from ...common.config import LoRAConfig
-from ...common.lora import ADAPTER
+from ...common.engine.config import LoRAConfig
+from ...common.engine.lora import ADAPTER
 
 
 
@@ -164,7 +164,7 @@ def inject(model: torch.nn.Module, lora: LoRAConfig, hf_config, tp_size: int, se
             param.requires_grad_(True)
 
 
-# -- peft's names (the HF critic with peft's layers injected, common/lora.py) <-> our adapters ------------
+# -- peft's names (the HF critic with peft's layers injected, common/engine/lora.py) <-> our adapters ------------
 def _hf_key(layer: int, part: str, factor: str) -> str:
     return f"model.layers.{layer}.{part}.lora_{factor}.{ADAPTER}.weight"
 

@@ -24,8 +24,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from . import compat
-from ...common.config import OptimConfig, ParallelConfig
-from ...common.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ParallelMesh, mesh_sizes
+from ...common.engine.config import OptimConfig, ParallelConfig
+from ...common.engine.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ParallelMesh, mesh_sizes
 
 # Clipping off still needs the norm for the metrics: clip at a bound no norm reaches.
 _NO_CLIP = 1.0e30
@@ -68,7 +68,7 @@ def _check_same_layout(parallel: ParallelConfig) -> None:
 def init_model_parallel(parallel: ParallelConfig, seed: int, timeout_s: float) -> None:
     """Megatron's groups in the (already initialised) default process group: created, or reused when
     they exist with the same degrees (another engine's or the host's); its RNG tracker seeded."""
-    assert torch.distributed.is_initialized(), "init the default process group first (common.distributed)"
+    assert torch.distributed.is_initialized(), "init the default process group first (common.parallel.distributed)"
     from megatron.core.tensor_parallel import random as mp_random
 
     if parallel_state.model_parallel_is_initialized():
@@ -117,14 +117,14 @@ def release_model_parallel() -> None:
 def _forget_leftover_groups() -> None:
     """megatron-core 0.16.1's destroy_model_parallel leaves a few groups in parallel_state's module
     globals (e.g. _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP); a group still referenced keeps its
-    gloo threads running past destroy_process_group (common.distributed.shutdown)."""
+    gloo threads running past destroy_process_group (common.parallel.distributed.shutdown)."""
     for name, value in list(vars(parallel_state).items()):
         if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
             setattr(parallel_state, name, None)
 
 
 def megatron_mesh(parallel: ParallelConfig, world_size: int) -> ParallelMesh:
-    """Megatron's groups (after init_model_parallel) as a common.mesh.ParallelMesh. Its "dp" is data
+    """Megatron's groups (after init_model_parallel) as a common.engine.mesh.ParallelMesh. Its "dp" is data
     parallel without context parallelism: the context-parallel peers of a rank share its rows."""
     sizes = mesh_sizes(parallel, world_size)
     groups = {DATA: parallel_state.get_data_parallel_group(with_context_parallel=False),
@@ -166,10 +166,10 @@ def build_optimizer(ddp_model: DistributedDataParallel, optim: OptimConfig, bf16
 
 
 class LRSchedule:
-    """common.schedule's warmup/cosine multiplier applied to a megatron optimizer's param groups."""
+    """common.engine.schedule's warmup/cosine multiplier applied to a megatron optimizer's param groups."""
 
     def __init__(self, optimizer, optim: OptimConfig):
-        from ...common.schedule import lr_multiplier
+        from ...common.engine.schedule import lr_multiplier
 
         self._multiplier = lambda step: lr_multiplier(step, optim)
         self.optimizer = optimizer

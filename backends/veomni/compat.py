@@ -8,7 +8,7 @@ VeOmni's own logic done for it.
   1. Kernels: `OpsImplementationConfig()` defaults to triton / liger / flash-attention and raises on
      a machine without them; there is no CPU fallback. `ops_implementation()` asks for eager kernels.
   2. Process group: VeOmni's `get_dist_comm_backend()` has no gloo branch;
-     the engine joins the group common.distributed made (gloo on CPU) before VeOmni is called, and
+     the engine joins the group common.parallel.distributed made (gloo on CPU) before VeOmni is called, and
      VeOmni never creates one itself on this path.
   3. One process: `build_parallelize_model` refuses every `init_device` but cuda/npu/mlu when FSDP
      is off (fsdp_size == 1), although with FSDP off it uses the flag for nothing else.
@@ -16,7 +16,7 @@ VeOmni's own logic done for it.
      checkpointing (no dtype change: the weights stay in the dtype they were built in).
   4. Ulysses: VeOmni's sequence-parallel attention is flash-attention / flex-attention /
      magi-attention with all-to-all around it; none of them has a CPU backward. The engine uses
-     common/ulysses.py instead (on every device), under its own attention name, so VeOmni's
+     common/parallel/ulysses.py instead (on every device), under its own attention name, so VeOmni's
      Ulysses code paths are never entered.
 """
 

@@ -2,9 +2,9 @@
 hook, rewritten by the configured transforms, sharded by VeOmni's FSDP2 parallelisation, trained
 with VeOmni's optimizer and LR schedule and the shared mini-batch-normalised clipped value loss.
 
-Built through common.registry.build_engine("veomni", config, dist); the engine API and everything
-but building is common.fsdp2_core.FSDP2Engine's (the contract: common/engine.py). Every rank is a
-data-parallel rank, or, with engine.parallel.ulysses = N, a rank of a Ulysses group (common/ulysses.py:
+Built through common.engine.registry.build_engine("veomni", config, dist); the engine API and everything
+but building is common.engine.fsdp2_core.FSDP2Engine's (the contract: common/engine/__init__.py). Every rank is a
+data-parallel rank, or, with engine.parallel.ulysses = N, a rank of a Ulysses group (common/parallel/ulysses.py:
 our attention, not VeOmni's, which has no CPU backward) that VeOmni's FSDP2 shards over with the
 data-parallel ranks.
 
@@ -26,11 +26,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import parallelize, value_model
 from .quiet import veomni_output
-from ...common.distributed import barrier, broadcast_object
-from ...common.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
-from ...common.mesh import DATA, ULYSSES, ParallelMesh, check_spans_world, mesh_sizes
-from ...common.pipeline import engine_transforms
-from ...common.transforms import apply_transforms, resolve_transforms
+from ...common.parallel.distributed import barrier, broadcast_object
+from ...common.engine.fsdp2_core import FSDP2Engine, attention_for, quiet_fsdp_views
+from ...common.engine.mesh import DATA, ULYSSES, ParallelMesh, check_spans_world, mesh_sizes
+from ...common.engine.pipeline import engine_transforms
+from ...common.engine.transforms import apply_transforms, resolve_transforms
 from ...common.valuehead.config import install_value_head
 from ...common.valuehead.load import plan_load
 

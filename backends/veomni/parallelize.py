@@ -1,7 +1,7 @@
 """VeOmni's parallel state, FSDP2 parallelisation, optimizer and LR schedule for the critic.
 
 The one boundary between our EngineConfig and VeOmni's arguments: every VeOmni builder the engine
-uses is called from here, with arguments translated from common.config.
+uses is called from here, with arguments translated from common.engine.config.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import compat
-from ...common.config import EngineConfig, OptimConfig
+from ...common.engine.config import EngineConfig, OptimConfig
 
 # Our VeOmni engines alive in this process, and whether VeOmni's state existed before the first.
 _USAGE = {"engines": 0, "found_state": False}

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...common import ulysses
-from ...common.batching import pack
-from ...common.packed_attention import sequence_bounds
+from ...common.parallel import ulysses
+from ...common.parallel.batching import pack
+from ...common.parallel.packed_attention import sequence_bounds
 from ...common.valuehead import LoadReport, load_critic, save_critic
 from ...common.valuehead.config import architecture_name, head_name
 
@@ -153,7 +153,7 @@ def check_materialized(model: torch.nn.Module) -> None:
             f"VeOmni {veomni_version()} left {len(on_meta)} tensors of the critic on the meta device "
             f"(e.g. {on_meta[:3]}): its weights were never loaded. VeOmni skips loading when it does not see this "
             f"process as rank 0 (no process group, or init_device=cpu on another rank); build the engine "
-            f"through common.engine.build_engine after common.distributed.init_distributed")
+            f"through common.engine.build_engine after common.parallel.distributed.init_distributed")
 
 
 @torch.no_grad()

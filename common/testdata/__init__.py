@@ -2,7 +2,8 @@
 
 Tests and the default job never download a model: they build a tiny random model from one of
 these configs. Files are found through Bazel runfiles when running under Bazel, else beside
-this module (plain pytest, vendored copies).
+this module (plain pytest, vendored copies). Beside common.valuehead in the layers: it may import
+common.valuehead and the layers below it.
 """
 
 from __future__ import annotations

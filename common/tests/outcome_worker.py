@@ -1,4 +1,4 @@
-"""2 gloo ranks agree on how a step went (common.distributed.one_outcome), with a process-group
+"""2 gloo ranks agree on how a step went (common.parallel.distributed.one_outcome), with a process-group
 timeout of TIMEOUT_S: in step "between", rank 1 fails between collectives; in step "inside", rank 1
 fails before a collective rank 0 is already waiting in (rank 0 leaves it at the timeout). Each rank
 writes what it raised, and after how long, to WORKDIR/rank<r>.json."""
@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from critic_adapters.common.distributed import barrier, init_distributed, one_outcome, world_group
+from critic_adapters.common.parallel.distributed import barrier, init_distributed, one_outcome, world_group
 
 TIMEOUT_S = 5.0
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from critic_adapters.common import packed_attention
-from critic_adapters.common.batching import make_micro_batches, plan_fixed_size, plan_token_budget
+from critic_adapters.common.parallel import packed_attention
+from critic_adapters.common.parallel.batching import make_micro_batches, plan_fixed_size, plan_token_budget
 from critic_adapters.common.tests.helpers import run_pytest
 
 

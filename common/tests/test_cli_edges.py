@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from critic_adapters.common.data import make_default_records
+from critic_adapters.common.learning.data import make_default_records
 from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.tests import checkpoint_builders as build
 from critic_adapters.common.tests.helpers import read_only_dir, run_pytest, tree_snapshot

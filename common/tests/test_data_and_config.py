@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from critic_adapters.common.config import OptimConfig, flat_keys, load_train_config, TrainConfig
-from critic_adapters.common.data import gae_returns, load_rollouts, make_default_records, validate_records
-from critic_adapters.common.schedule import lr_multiplier
+from critic_adapters.common.engine.config import OptimConfig, flat_keys, load_train_config, TrainConfig
+from critic_adapters.common.learning.data import gae_returns, load_rollouts, make_default_records, validate_records
+from critic_adapters.common.engine.schedule import lr_multiplier
 from critic_adapters.common.tests.helpers import run_pytest
 
 
@@ -115,7 +115,7 @@ def test_the_default_jobs_warm_up_is_a_share_of_the_run_so_a_short_run_reaches_i
     # Issue 27, 4.4: warmup_steps 10 kept a 4-step run at 0.4 of its lr.
     import dataclasses
 
-    from critic_adapters.common.launcher import DEFAULT_JOB
+    from critic_adapters.common.job.launcher import DEFAULT_JOB
 
     optim = load_train_config([DEFAULT_JOB], []).engine.optim
     for total, warmup in ((4, 0), (116, 12), (1000, 100)):

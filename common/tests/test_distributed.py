@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from critic_adapters.common import distributed
+from critic_adapters.common.parallel import distributed
 from critic_adapters.common.tests.helpers import run_pytest
 
 
 @pytest.fixture
 def fake_gpu_world(monkeypatch):
-    """A 2-rank CUDA machine as far as common.distributed can tell; records the calls it makes."""
+    """A 2-rank CUDA machine as far as common.parallel.distributed can tell; records the calls it makes."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
@@ -101,8 +101,8 @@ def test_a_rank_that_fails_alone_makes_every_rank_raise_its_message_within_the_t
 FAILED_WHILE_HOLDING_A_GROUP = """
 import warnings
 import torch.distributed as td
-from critic_adapters.common.distributed import init_distributed
-from critic_adapters.common.launcher import fail
+from critic_adapters.common.parallel.distributed import init_distributed
+from critic_adapters.common.job.launcher import fail
 dist = init_distributed()
 def build():
     group = td.new_group([0])  # what a half-built engine's mesh holds when it is refused

@@ -1,4 +1,4 @@
-"""HL-Gauss (common/hl_gauss.py) and decoupled GAE (common/data.py: gae) against independent
+"""HL-Gauss (common/learning/hl_gauss.py) and decoupled GAE (common/learning/data.py: gae) against independent
 implementations written here: the Gaussian CDF from torch.special.ndtr in float64, the loss from its
 definition with autograd, GAE as the textbook per-row recursion over the response tokens."""
 
@@ -7,11 +7,11 @@ import re
 import pytest
 import torch
 
-from critic_adapters.common import hl_gauss
-from critic_adapters.common.config import HLGaussConfig, LossConfig, load_train_config
-from critic_adapters.common.data import gae
-from critic_adapters.common.hl_gauss import HLGaussHead, HLGaussSupport, bin_logits
-from critic_adapters.common.loss import hl_gauss_loss_terms
+from critic_adapters.common.learning import hl_gauss
+from critic_adapters.common.engine.config import HLGaussConfig, LossConfig, load_train_config
+from critic_adapters.common.learning.data import gae
+from critic_adapters.common.learning.hl_gauss import HLGaussHead, HLGaussSupport, bin_logits
+from critic_adapters.common.learning.loss import hl_gauss_loss_terms
 from critic_adapters.common.testdata import tiny_config
 from critic_adapters.common.tests.helpers import run_pytest
 

@@ -1,17 +1,20 @@
 """How common's modules may import each other, read from their source (every import, the ones
-inside functions too): no import cycle, the value-head module imports only the leaves below it,
-and nothing in common imports a backend or an integration (the registry knows backends by name)."""
+inside functions too): every module sits in one of common's layers (common/__init__.py: LAYERS) and
+imports only its own layer and those below it, no import cycle, the value-head module imports only
+the leaves below it, and nothing in common imports a backend or an integration (the registry knows
+backends by name)."""
 
 import ast
 import os
 
+from critic_adapters.common import LAYERS
 from critic_adapters.common.tests.helpers import run_pytest
 
 COMMON = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What common/valuehead may import from the rest of common: torch-only leaves. Its command line
 # (cli.py, __main__.py) sits on top of it and may read rollout data too.
-VALUEHEAD_MAY_IMPORT = {"common.hl_gauss", "common.packed_attention", "common.atomic_dir", "common.loss"}
-VALUEHEAD_CLI_MAY_IMPORT = VALUEHEAD_MAY_IMPORT | {"common.data", "common.testdata"}
+VALUEHEAD_MAY_IMPORT = {"common.learning.hl_gauss", "common.parallel.packed_attention", "common.storage.atomic_dir", "common.learning.loss"}
+VALUEHEAD_CLI_MAY_IMPORT = VALUEHEAD_MAY_IMPORT | {"common.learning.data", "common.testdata"}
 
 
 def _modules() -> dict[str, str]:
@@ -92,8 +95,35 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_common_has_no_import_cycle():
     graph = import_graph()
-    assert {"common.trainer", "common.lora", "common.transforms", "common.valuehead.load"} <= set(graph)  # all read
+    assert {"common.job.trainer", "common.engine.lora", "common.engine.transforms", "common.valuehead.load"} <= set(graph)  # all read
     assert cycles(graph) == []
+
+
+RANK = {package: index for index, layer in enumerate(LAYERS) for package in layer}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a layer above the importer's in LAYERS (common.<layer>.<module> names)."""
+    return sorted(f"{name} imports {dep}" for name, deps in graph.items() if name.count(".")
+                  for dep in deps if dep.count(".") and RANK[dep.split(".")[1]] > RANK[name.split(".")[1]])
+
+
+def test_common_holds_its_layers_and_no_module_beside_them():
+    loose = sorted(n for n in os.listdir(COMMON) if n.endswith(".py") and n != "__init__.py")
+    assert loose == [], f"modules outside a layer of common: {loose} (common/__init__.py: LAYERS)"
+    packages = sorted(n for n in os.listdir(COMMON) if os.path.isfile(os.path.join(COMMON, n, "__init__.py")))
+    assert set(packages) == set(RANK) | {"tests"}, packages
+    for package in RANK:
+        doc = ast.get_docstring(ast.parse(open(os.path.join(COMMON, package, "__init__.py")).read()))
+        assert doc and "may import" in doc, f"common/{package}/__init__.py must say what the package may import"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert layer_violations({"common.parallel.x": {"common.job.trainer"}, "common.job.y": {"common.parallel.x"}}) == [
+        "common.parallel.x imports common.job.trainer"]  # the check sees one
+    graph = import_graph()
+    assert {"common.parallel.ulysses", "common.engine", "common.job.launcher"} <= set(graph)
+    assert layer_violations(graph) == []
 
 
 def test_the_value_head_module_imports_only_the_leaves_below_it():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from critic_adapters.common.loss import AGG_MODES, explained_variance, loss_normalizer, value_loss
+from critic_adapters.common.learning.loss import AGG_MODES, explained_variance, loss_normalizer, value_loss
 from critic_adapters.common.tests.helpers import run_pytest
 
 # Two sequences; row 0 has 3 valid tokens, row 1 has 1 (and a masked position holding garbage).

@@ -9,8 +9,8 @@ mrope VLMs) and those with attention quirks (gemma2's logit soft-capping, slidin
 import pytest
 import torch
 
-from critic_adapters.common.batching import make_micro_batches
-from critic_adapters.common.packed_attention import ATTENTION_NAME, register
+from critic_adapters.common.parallel.batching import make_micro_batches
+from critic_adapters.common.parallel.packed_attention import ATTENTION_NAME, register
 from critic_adapters.common.testdata import FAMILIES, save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic

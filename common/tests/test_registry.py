@@ -3,9 +3,9 @@ check and hint reads it; a host stack registers its own backend without editing 
 
 import pytest
 
-from critic_adapters.common.config import EngineConfig, ModelConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed
-from critic_adapters.common.registry import (
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed
+from critic_adapters.common.engine.registry import (
     BACKENDS,
     BackendSpec,
     backend_spec,

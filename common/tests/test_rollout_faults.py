@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from critic_adapters.common.config import load_train_config
-from critic_adapters.common.data import load_rollouts, make_default_records
+from critic_adapters.common.engine.config import load_train_config
+from critic_adapters.common.learning.data import load_rollouts, make_default_records
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.trainer import read_rollouts
+from critic_adapters.common.job.trainer import read_rollouts
 
 VOCAB, MAX_POSITIONS = 1000, 512
 

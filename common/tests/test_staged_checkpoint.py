@@ -1,4 +1,4 @@
-"""common.checkpoints.staged_checkpoint on one rank: a failure or a Ctrl-C (also when DCP wraps it
+"""common.storage.checkpoints.staged_checkpoint on one rank: a failure or a Ctrl-C (also when DCP wraps it
 mid-save) leaves no staging directory and the previous checkpoint as it was."""
 
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from critic_adapters.common import checkpoints
-from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.storage import checkpoints
+from critic_adapters.common.parallel.distributed import init_distributed
 from critic_adapters.common.tests.helpers import run_pytest
 
 

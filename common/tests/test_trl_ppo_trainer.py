@@ -23,7 +23,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-from critic_adapters.common.hl_gauss import HLGaussSupport
+from critic_adapters.common.learning.hl_gauss import HLGaussSupport
 from critic_adapters.common.testdata import save_tiny_causal_lm, tiny_causal_lm, tiny_config
 from critic_adapters.common.tests.helpers import VOCAB, assert_close_on_mask, padded_batch, run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic
@@ -40,7 +40,7 @@ BATCH = 2
 PPO_UPDATES = 2
 # The critic's own head attribute per family: the only head keys its state_dict may hold.
 HEADS = {"qwen2": "score", "gpt_neox": "classifier"}
-# An HL-Gauss critic (common/hl_gauss.py): trl reads its head's output, which is the values.
+# An HL-Gauss critic (common/learning/hl_gauss.py): trl reads its head's output, which is the values.
 HL_GAUSS = HLGaussSupport(num_bins=21, min_value=-1.0, max_value=3.0)
 
 

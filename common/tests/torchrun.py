@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 
-# What common.distributed.init_distributed sets in a test process that made a world of one: a child
+# What common.parallel.distributed.init_distributed sets in a test process that made a world of one: a child
 # inheriting it would take itself for a torchrun worker (and share the parent's rendezvous port).
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -27,13 +27,13 @@ def torchrun_command(nproc: int, module: str, *args: str) -> list[str]:
 def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
                  timeout: int = 600) -> subprocess.CompletedProcess:
     """MODULE ARGS on `nproc` ranks, output captured; assert every rank exited 0. torchrun's agent
-    runs in this process (common.quiet_torchrun, as the launcher runs it: one interpreter fewer to
-    start); one rank needs no agent: `python -m MODULE`, a world of one (common.distributed)."""
+    runs in this process (common.job.quiet_torchrun, as the launcher runs it: one interpreter fewer to
+    start); one rank needs no agent: `python -m MODULE`, a world of one (common.parallel.distributed)."""
     if nproc == 1:
         result = subprocess.run([sys.executable, "-m", module, *args], env=env or worker_env(), capture_output=True,
                                 text=True, timeout=timeout)
     else:
-        result = run_launcher_in_process("critic_adapters.common.quiet_torchrun", *torchrun_command(nproc, module, *args)[3:],
+        result = run_launcher_in_process("critic_adapters.common.job.quiet_torchrun", *torchrun_command(nproc, module, *args)[3:],
                                          env=env)
     assert result.returncode == 0, f"torchrun {module} {args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
@@ -140,7 +140,7 @@ def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | 
 
 
 # SHORT_JOB's checkpoint of step 16: epoch 2 has begun (15 steps an epoch) and its first PPO iteration
-# is one step in, so the resumed run needs the old values the iteration started with (common/trainer.py).
+# is one step in, so the resumed run needs the old values the iteration started with (common/job/trainer.py).
 KILL_AFTER_STEP = 16
 
 
@@ -207,7 +207,7 @@ def assert_resume_from_a_checkpoint_is_identical(launcher: str, run_root, *args:
 def assert_resumed_run_follows(run_dir, whole_dir, *, steps: int, tolerance: float = 1e-4) -> None:
     """run_dir's train metrics (a killed run continued another way: other ranks, another layout)
     cover steps 1..`steps` and follow whole_dir's loss curve within `tolerance`."""
-    from ..metrics import read_metrics
+    from ..job.metrics import read_metrics
 
     expected = [r for r in read_metrics(str(whole_dir / "metrics.jsonl")) if r["split"] == "train"]
     got = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "train"]

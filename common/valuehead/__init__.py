@@ -4,6 +4,8 @@ Public API (a contract other code and users rely on):
   load_critic, LoadReport, compute_values, save_critic, critic_config, trl_value_head_class,
   load_valuehead_model, select_attn_implementation, CriticLoadError.
 CLI: python -m critic_adapters.common.valuehead {inspect,convert,values} ...
+It may import common.parallel, common.learning, common.storage and common.testdata, never the
+engine layer or a backend.
 """
 
 from .attention import select_attn_implementation

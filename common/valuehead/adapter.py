@@ -1,7 +1,7 @@
 """A peft LoRA adapter directory of a critic (adapter_config.json + adapter_model.safetensors): how
 it is named on disk, read, and folded into a plain critic. One of the critic formats the loader
 reads (`load_critic(..., adapter_path=)`, `convert SRC DST --adapter`); training LoRA critics is
-common/lora.py's, which writes and loads these directories through the names here.
+common/engine/lora.py's, which writes and loads these directories through the names here.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from ..hl_gauss import describe
+from ..learning.hl_gauss import describe
 from .config import critic_class, text_hidden_size
 from .errors import CriticLoadError
 from .load import load_critic, plan_load
@@ -118,7 +118,7 @@ def _print_values(path: str, tokens: str | None, seed: int, **load_kwargs) -> No
             raise CriticLoadError(f"--tokens must be ids in [0, {vocab}); got {tokens!r}")
     else:
         ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(seed))
-    from ..loss import shift_to_tokens
+    from ..learning.loss import shift_to_tokens
     from .values import compute_values
 
     with torch.no_grad():
@@ -138,7 +138,7 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def _refuse_unwritable(path: str, what: str) -> None:
-    from ..atomic_dir import unwritable_reason
+    from ..storage.atomic_dir import unwritable_reason
 
     reason = unwritable_reason(os.path.dirname(os.path.abspath(path)) if what == "file" else path)
     if reason:
@@ -155,8 +155,8 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from ..data import read_records, validate_records
-    from ..loss import shift_to_tokens
+    from ..learning.data import read_records, validate_records
+    from ..learning.loss import shift_to_tokens
     from .values import compute_values
 
     if not out.endswith(".parquet"):
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             info = inspect_checkpoint(args.path, head_prefix=args.head_prefix, trust_remote_code=args.trust_remote_code)
             print(json.dumps(info, indent=2)) if args.json else _print_inspection(info)
         elif args.command == "convert":
-            from ..atomic_dir import is_nonempty_dir
+            from ..storage.atomic_dir import is_nonempty_dir
             from .save import save_critic
 
             if is_nonempty_dir(args.dst) or (os.path.exists(args.dst) and not os.path.isdir(args.dst)):
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 _print_values(args.path, args.tokens, args.seed, **load_kwargs)
         elif args.command == "demo":
-            from ..atomic_dir import is_nonempty_dir
+            from ..storage.atomic_dir import is_nonempty_dir
             from ..testdata import save_tiny_causal_lm
 
             if is_nonempty_dir(args.out_dir) or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):

@@ -21,7 +21,7 @@ from transformers import (
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.modeling_layers import GenericForTokenClassification
 
-from ..hl_gauss import CONFIG_KEY, HLGaussHead, HLGaussSupport, support_of
+from ..learning.hl_gauss import CONFIG_KEY, HLGaussHead, HLGaussSupport, support_of
 
 # Written as `architectures` for families without a TokenClassification class: the weights are
 # exactly what transformers' GenericForTokenClassification mixin lays out (model.* + score.*).
@@ -144,7 +144,7 @@ def critic_config(hf_config: PretrainedConfig, value_head: HLGaussSupport | None
     """A copy of `hf_config` set up for a per-token critic; the input is not modified.
 
     num_labels=1 (a scalar head) or, for an HL-Gauss head, num_labels=num_bins with the support in
-    `critic_value_head` (common/hl_gauss.py); all head dropouts 0.0 (floats), untied embeddings,
+    `critic_value_head` (common/learning/hl_gauss.py); all head dropouts 0.0 (floats), untied embeddings,
     `architectures` naming the critic class, and `hidden_size` mirrored from `text_config` for VLMs
     that lack it at the top. `value_head`: DECLARED_HEAD keeps the kind `hf_config` declares,
     None makes it scalar, an HLGaussSupport makes it that.

@@ -18,11 +18,11 @@ from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from ._quiet import quiet_transformers
 from .attention import select_attn_implementation
 from .checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
-from ..hl_gauss import HLGaussSupport, describe, from_scalar_head, support_of
+from ..learning.hl_gauss import HLGaussSupport, describe, from_scalar_head, support_of
 from .config import DECLARED_HEAD, critic_class, critic_config, critic_head, head_name, install_value_head, text_hidden_size
 from .errors import CriticLoadError
 from .formats import Detection, detect_format
-from ..hl_gauss import CONFIG_KEY
+from ..learning.hl_gauss import CONFIG_KEY
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,7 +52,7 @@ class LoadReport:
     unexpected_keys: list[str]
     """Checkpoint tensors the critic does not use (e.g. a causal LM's lm_head)."""
     value_head: str = "a scalar head"
-    """The kind of head the critic has (common/hl_gauss.py: describe)."""
+    """The kind of head the critic has (common/learning/hl_gauss.py: describe)."""
 
     def __str__(self) -> str:
         lines = [
@@ -328,10 +328,10 @@ def load_critic(
         HL-Gauss head its config.json declares), None a scalar head, or an HLGaussSupport. A scalar
         checkpoint gets a zero HL-Gauss head (or, with init_from_scalar_head, one started from its
         scalar head); an HL-Gauss checkpoint asked for another head is an error unless fresh_head.
-      init_from_scalar_head: see value_head (common/hl_gauss.py: from_scalar_head).
+      init_from_scalar_head: see value_head (common/learning/hl_gauss.py: from_scalar_head).
 
     Returns (model, LoadReport). The model is in eval mode; an HL-Gauss critic's forward returns
-    values ([B, T, 1] `.logits`) like a scalar one (common/hl_gauss.py).
+    values ([B, T, 1] `.logits`) like a scalar one (common/learning/hl_gauss.py).
     """
     path = os.fspath(path)
     plan = plan_load(path, config=config, head_prefix=head_prefix, trust_remote_code=trust_remote_code,

@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from ..atomic_dir import atomic_directory
+from ..storage.atomic_dir import atomic_directory
 from ._quiet import quiet_transformers
-from ..hl_gauss import describe, support_of
+from ..learning.hl_gauss import describe, support_of
 from .config import architecture_name, critic_config, critic_head, head_name
 
 

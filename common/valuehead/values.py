@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..hl_gauss import bin_logits, support_of
-from ..packed_attention import sequence_bounds
+from ..learning.hl_gauss import bin_logits, support_of
+from ..parallel.packed_attention import sequence_bounds
 
 
 def is_packed(position_ids: torch.Tensor) -> bool:
@@ -43,14 +43,14 @@ def compute_values(
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values [B, T] in float32 (even for a bf16 model), unshifted: entry t is the critic's output
-    at position t, the state after token t. For an HL-Gauss critic (common/hl_gauss.py) they are
+    at position t, the state after token t. For an HL-Gauss critic (common/learning/hl_gauss.py) they are
     the expectations over its bins.
 
     The value OF token t (what old values and returns are aligned with) is entry t - 1: verl,
     OpenRLHF, trl and NeMo-RL all read it there, and common.engine.shift_to_tokens does the shift.
     Keeping this function unshifted means converting formats never reindexes.
 
-    Packed rows (2-D position_ids restarting at 0 per sequence, from common.batching) are run with
+    Packed rows (2-D position_ids restarting at 0 per sequence, from common.parallel.batching) are run with
     attention_mask=None and no cache. Their sequence bounds are stated to our packed attention, and
     transformers' own attentions build a per-sequence mask from the positions. A 2-D padding mask
     would let packed sequences attend to each other, so it is refused unless it is all ones.

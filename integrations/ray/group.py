@@ -4,7 +4,7 @@ critics).
 
   placement group (PACK / SPREAD, one bundle per worker) -> one CriticWorker actor per bundle ->
   rank 0's address + a free port -> every actor joins torch.distributed there (gloo on CPU, NCCL +
-  gloo on GPU: common.distributed) and builds the engine -> the driver calls the engine API on all
+  gloo on GPU: common.parallel.distributed) and builds the engine -> the driver calls the engine API on all
   actors at once.
 
 Rows: every actor reads the whole batch (from the object store: a tensor is put there once, an
@@ -60,7 +60,7 @@ class RayCriticGroup:
         import ray
         from ray.util.placement_group import placement_group
 
-        from ...common.registry import check_engine_config, check_layout
+        from ...common.engine.registry import check_engine_config, check_layout
         from .cluster import check_fits, ensure_ray, started_locally
 
         if placement_strategy not in PLACEMENT_STRATEGIES:
@@ -218,7 +218,7 @@ class RayCriticGroup:
 
     def update(self, batch) -> dict[str, float]:
         """One optimizer step over the whole mini-batch (a RolloutBatch or an object reference to one);
-        the metrics of common.update_step.METRICS, reduced over the data-parallel ranks."""
+        the metrics of common.engine.update_step.METRICS, reduced over the data-parallel ranks."""
         return self._call_all("update", _by_reference(batch))[0]
 
     def checkpoint_bytes(self) -> int:

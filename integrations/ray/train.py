@@ -5,9 +5,9 @@
   python -m critic_adapters.integrations.ray.train cfg.yaml --nproc 2 --resume
   python -m critic_adapters.integrations.ray.train --backend megatron --dry-run
 
-The one launcher (python -m critic_adapters.train, common/launcher.py: the same flags, keys and
+The one launcher (python -m critic_adapters.train, common/job/launcher.py: the same flags, keys and
 defaults; --num-workers is --nproc) with the engine's ranks in a RayCriticGroup of Ray actors
-instead of torchrun processes; the trainer is the same (common/trainer.py). Without --address it
+instead of torchrun processes; the trainer is the same (common/job/trainer.py). Without --address it
 starts a local Ray cluster (loopback only, no dashboard; integrations/ray/cluster.py). Without
 --nproc it starts as many workers as engine.parallel needs. A dry run checks the config, model and
 rollouts in this process and starts no cluster.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...common.launcher import LauncherSpec, launch
+from ...common.job.launcher import LauncherSpec, launch
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +36,9 @@ def run_on_ray_group(args: argparse.Namespace, config) -> int:
     """The trainer in this process, driving a RayCriticGroup of args.nproc workers."""
     import torch
 
-    from ...common.distributed import DistContext
-    from ...common.launcher import fail, say
-    from ...common.trainer import run_training
+    from ...common.parallel.distributed import DistContext
+    from ...common.job.launcher import fail, say
+    from ...common.job.trainer import run_training
     from .cluster import check_fits, ensure_ray, shutdown_ray
     from .group import RayCriticGroup
 

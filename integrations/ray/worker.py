@@ -43,8 +43,8 @@ class CriticWorker:
     def build(self, backend: str, config, master_addr: str, master_port: int) -> dict:
         """Join the group and build the engine; returns the engine's coordinates (and, on rank 0, its
         load report and parameter counts)."""
-        from ...common.distributed import init_distributed
-        from ...common.registry import build_engine
+        from ...common.parallel.distributed import init_distributed
+        from ...common.engine.registry import build_engine
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")  # Ray gives each actor its own devices
@@ -105,7 +105,7 @@ class CriticWorker:
 
     def close(self) -> None:
         """Close the engine and leave the process group (the actor is killed after)."""
-        from ...common.distributed import shutdown
+        from ...common.parallel.distributed import shutdown
 
         if self.engine is not None:
             self.engine.close()

@@ -28,7 +28,7 @@ import dataclasses
 
 from verl.workers.config import FSDPEngineConfig
 
-from ...common.config import EngineConfig
+from ...common.engine.config import EngineConfig
 
 STRATEGY = "critic_adapters"
 BACKENDS = ("fsdp", "megatron", "veomni")
@@ -42,7 +42,7 @@ class CriticAdaptersEngineConfig(FSDPEngineConfig):
     critic_adapters_backend: str = "fsdp"
     """Which of our backends runs the critic: fsdp, megatron or veomni."""
     critic_adapters: dict = dataclasses.field(default_factory=dict)
-    """Our EngineConfig keys (common/config.py), nested, over what verl's configs map to."""
+    """Our EngineConfig keys (common/engine/config.py), nested, over what verl's configs map to."""
 
     def __post_init__(self):
         # FSDPEngineConfig asserts an fsdp strategy; verl's critic config sets ours after building
@@ -109,7 +109,7 @@ def engine_config_from_verl(model_config, engine_config, optimizer_config) -> tu
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or str(err).splitlines()[0]
         raise ValueError(f"critic.fsdp.critic_adapters: {key} does not fit critic-adapters' engine config "
-                         f"({str(err).splitlines()[0]}); the keys are common/config.py's EngineConfig fields") from None
+                         f"({str(err).splitlines()[0]}); the keys are common/engine/config.py's EngineConfig fields") from None
     if config.loss.kind != "mse":
         raise ValueError(f"critic.fsdp.critic_adapters.loss.kind={config.loss.kind}: in verl's engine slot the critic "
                          f"trains with the loss verl passes (its value_loss, a squared error on the values); train an "

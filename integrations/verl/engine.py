@@ -29,8 +29,8 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from ...common.distributed import all_reduce, init_distributed
-from ...common.registry import build_engine, check_engine_config
+from ...common.parallel.distributed import all_reduce, init_distributed
+from ...common.engine.registry import build_engine, check_engine_config
 from .config import STRATEGY, engine_config_from_verl
 
 DEVICES = ["cpu", "cuda", "npu"]
@@ -120,7 +120,7 @@ class CriticAdaptersEngine(BaseEngine):
         return self.engine.dp_group if self.engine.dp_group is not None else torch.distributed.group.WORLD
 
     def is_mp_src_rank_with_outputs(self):
-        """One rank per data-parallel share reports outputs (common.mesh.ParallelMesh.reports_outputs:
+        """One rank per data-parallel share reports outputs (common.engine.mesh.ParallelMesh.reports_outputs:
         the last pipeline stage's first tensor, context and Ulysses rank)."""
         return self.engine.parallel.reports_outputs
 
@@ -170,7 +170,7 @@ class CriticAdaptersEngine(BaseEngine):
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        """Our engine's checkpoint at `local_path` (a complete directory or none: common/checkpoints.py).
+        """Our engine's checkpoint at `local_path` (a complete directory or none: common/storage/checkpoints.py).
         verl's trainer puts each step in its own directory and rotates them; max_ckpt_to_keep is its."""
         if hdfs_path is not None:
             raise ValueError(f"save_checkpoint(hdfs_path={hdfs_path!r}): the critic_adapters engine writes local "

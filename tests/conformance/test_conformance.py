@@ -3,7 +3,7 @@ layout its spec offers.
 
 Each backend runs tests/conformance/worker.py once on 2 gloo ranks (data parallel 2, then each
 model-parallel layout of its spec: tensor, pipeline, context, ulysses 2); the tests below read what
-each rank saw. Every backend in common.registry.BACKENDS when this file is collected is a parameter,
+each rank saw. Every backend in common.engine.registry.BACKENDS when this file is collected is a parameter,
 so a backend a host registers with register_backend (in a conftest or a plugin loaded first, `pytest
 -p`) runs them too; the worker gets its spec. Bazel's one target shards by backend (each shard runs
 whole backends); CONFORMANCE_BACKEND=<name> selects one.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from critic_adapters.common.registry import BACKENDS
+from critic_adapters.common.engine.registry import BACKENDS
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
@@ -163,7 +163,7 @@ def test_engines_leave_the_process_as_they_found_it(run):
 
 
 def test_no_gloo_worker_thread_outlives_shutdown(run):
-    """A gloo group alive at interpreter exit can abort the process (common.distributed.shutdown)."""
+    """A gloo group alive at interpreter exit can abort the process (common.parallel.distributed.shutdown)."""
     _, _, ranks = run
     assert [r["gloo_threads_after_shutdown"] for r in ranks] == [0, 0]
 

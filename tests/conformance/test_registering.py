@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from critic_adapters.common.registry import BACKENDS
+from critic_adapters.common.engine.registry import BACKENDS
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.tests.conformance import test_conformance
 

@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common.config import (
+from critic_adapters.common.engine.config import (
     BatchingConfig,
     EngineConfig,
     LossConfig,
@@ -37,9 +37,9 @@ from critic_adapters.common.config import (
     OptimConfig,
     ParallelConfig,
 )
-from critic_adapters.common.distributed import all_gather_object, barrier, gloo_worker_threads, init_distributed, shutdown
+from critic_adapters.common.parallel.distributed import all_gather_object, barrier, gloo_worker_threads, init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, contract_members
-from critic_adapters.common.registry import BACKENDS, BackendSpec, backend_spec, build_engine, register_backend
+from critic_adapters.common.engine.registry import BACKENDS, BackendSpec, backend_spec, build_engine, register_backend
 
 # Process-wide things an engine might patch: (module name, attribute). Compared by identity.
 WATCHED = [("torch.cuda", name) for name in ("current_device", "synchronize", "empty_cache", "is_available")] + [

@@ -74,7 +74,7 @@ if "verl" in sys.argv[1:]:  # verl's engines (VeOmni's banner among them) may lo
     sys.stdout.flush()
     os.write(stdout, (engine + chr(10)).encode())
 """
-ENTRY_POINTS = ["critic_adapters.common.engine", "critic_adapters.common.registry", "critic_adapters.integrations.ray"]
+ENTRY_POINTS = ["critic_adapters.common.engine", "critic_adapters.common.engine.registry", "critic_adapters.integrations.ray"]
 
 
 @pytest.fixture(scope="module")

@@ -346,7 +346,7 @@ def main():
     # The result is written. verl's workers (and the megatron engine they hold) keep gloo groups
     # whose threads can outlive the interpreter's teardown and abort the process ("terminate called
     # without an active exception", seen once in CI on megatron-tp2): skip the teardown.
-    from critic_adapters.common.launcher import exit_process
+    from critic_adapters.common.job.launcher import exit_process
 
     exit_process(0)
 

@@ -59,7 +59,7 @@ def critic_launcher_alias(backend, deps = []):
     native.py_library(
         name = "train_lib",
         srcs = ["train.py"],
-        deps = deps + [":engine", "//common:launcher"],
+        deps = deps + [":engine", "//common:job"],
     )
     critic_module_binary(
         name = "train",

@@ -18,10 +18,10 @@ import torch.distributed as torch_dist
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows
-from critic_adapters.common.mesh import DATA, ParallelMesh
-from critic_adapters.common.registry import BackendSpec, register_backend
-from critic_adapters.common.config import EngineConfig, ModelConfig, load_train_config
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.mesh import DATA, ParallelMesh
+from critic_adapters.common.engine.registry import BackendSpec, register_backend
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, load_train_config
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 
 
 class OneDPRankEngine(FSDPCriticEngine):
@@ -42,7 +42,7 @@ def one_dp_rank(config, dist, mesh=None):
 
 def train(run_dir, backend, overrides):
     register_backend("one_dp_rank", BackendSpec(factory=f"{__name__}:one_dp_rank"), replace=True)
-    from critic_adapters.common.trainer import run_training
+    from critic_adapters.common.job.trainer import run_training
 
     config = load_train_config([], [f"trainer.run_dir={run_dir}", f"backend={backend}", *overrides])
     dist = init_distributed()

@@ -10,8 +10,8 @@ import torch
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import gather_rows, rank_share
-from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.valuehead.config import critic_head
 
 

@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.worker_common import full, gather_rows, rank_share
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
-from critic_adapters.common.distributed import all_reduce, init_distributed, shutdown
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig
+from critic_adapters.common.parallel.distributed import all_reduce, init_distributed, shutdown
 
 # name -> (batching, agg_mode); budgets small enough to force several micro-batches.
 VARIANTS = {

@@ -1,9 +1,9 @@
-"""Which attention the FSDP2-based engines ask for (common.fsdp2_core.attention_for): flash varlen
+"""Which attention the FSDP2-based engines ask for (common.engine.fsdp2_core.attention_for): flash varlen
 when it can run, else per-sequence sdpa."""
 
-from critic_adapters.common import fsdp2_core as engine
-from critic_adapters.common import packed_attention
-from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig
+from critic_adapters.common.engine import fsdp2_core as engine
+from critic_adapters.common.parallel import packed_attention
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, ModelConfig
 from critic_adapters.common.tests.helpers import run_pytest
 
 

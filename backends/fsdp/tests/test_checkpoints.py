@@ -67,7 +67,7 @@ def test_checkpoint_of_another_model_is_refused(worlds):
 
 def test_interrupted_save_keeps_the_previous_checkpoint(inputs):
     """A staging directory left by a killed save is never mistaken for a checkpoint."""
-    from critic_adapters.common import checkpoints
+    from critic_adapters.common.storage import checkpoints
 
     root, model_dir, _ = inputs
     ckpts = root / "interrupted" / "checkpoints"

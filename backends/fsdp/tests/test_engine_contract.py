@@ -1,4 +1,4 @@
-"""The engine contract (common/engine.py) as the FSDP engine implements it:
+"""The engine contract (common/engine/__init__.py) as the FSDP engine implements it:
 data-parallel coordinates drive sharding and normalisation; building an engine leaves the process
 as it was; a save failing on one rank fails on all; rank 1 never holds the whole model while
 loading; parallel degrees the backend lacks are refused by key."""
@@ -14,10 +14,10 @@ from transformers import AutoModelForTokenClassification, Qwen2Config
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
 from critic_adapters.backends.fsdp.tests.launch import launch_in_process, run_torchrun
-from critic_adapters.common.config import EngineConfig, ModelConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed
 from critic_adapters.common.engine import RolloutBatch, build_engine
-from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.job.metrics import read_metrics
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 

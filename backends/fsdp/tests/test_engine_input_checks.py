@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
-from critic_adapters.common.config import EngineConfig, ModelConfig
-from critic_adapters.common.distributed import init_distributed
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig
+from critic_adapters.common.parallel.distributed import init_distributed
 from critic_adapters.common.engine import RolloutBatch
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest

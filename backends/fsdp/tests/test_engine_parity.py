@@ -6,7 +6,7 @@ import torch
 
 from critic_adapters.backends.fsdp.tests.launch import run_torchrun
 from critic_adapters.common.engine import shift_to_tokens
-from critic_adapters.common.loss import value_loss
+from critic_adapters.common.learning.loss import value_loss
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import save_rollout_batch, run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from critic_adapters.backends.fsdp.tests.launch import launch_in_process as run_launcher
-from critic_adapters.common.data import make_default_records
+from critic_adapters.common.learning.data import make_default_records
 from critic_adapters.common.tests.helpers import run_pytest
 
 
@@ -69,7 +69,7 @@ def test_resume_without_a_checkpoint(tmp_path):
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
-    from critic_adapters.common import checkpoints
+    from critic_adapters.common.storage import checkpoints
 
     step = tmp_path / "checkpoints" / "step_000010"
     step.mkdir(parents=True)

@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from critic_adapters.backends.fsdp.tests.launch import launch_in_process, launcher_env, run_launcher
-from critic_adapters.common.data import make_default_records
-from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.learning.data import make_default_records
+from critic_adapters.common.job.metrics import read_metrics
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest, tree_snapshot
 
@@ -142,9 +142,9 @@ def test_nan_made_by_the_model_is_blamed_on_the_model(tmp_path):
 
 
 def test_full_disk_names_the_disk_the_sizes_and_the_last_good_checkpoint(tmp_path, monkeypatch):
-    from critic_adapters.common.config import load_train_config
-    from critic_adapters.common.distributed import init_distributed
-    from critic_adapters.common.trainer import run_training
+    from critic_adapters.common.engine.config import load_train_config
+    from critic_adapters.common.parallel.distributed import init_distributed
+    from critic_adapters.common.job.trainer import run_training
 
     real = shutil.disk_usage
     calls = []

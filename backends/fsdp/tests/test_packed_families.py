@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
-from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig
-from critic_adapters.common.distributed import init_distributed
-from critic_adapters.common.packed_attention import ATTENTION_NAME
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, ModelConfig
+from critic_adapters.common.parallel.distributed import init_distributed
+from critic_adapters.common.parallel.packed_attention import ATTENTION_NAME
 from critic_adapters.common.testdata import FAMILIES, save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic

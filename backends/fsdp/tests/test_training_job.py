@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from critic_adapters.backends.fsdp.tests.launch import LAUNCHER, run_launcher
-from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.job.metrics import read_metrics
 from critic_adapters.common.tests.helpers import SHORT_JOB, final_explained_variance, run_pytest
 from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, assert_resumed_run_follows
 
@@ -41,7 +41,7 @@ def test_the_job_learns_and_a_killed_run_resumes_identically_on_two_ranks_and_on
 def _far_returns_file(path, *, old_values: bool) -> str:
     """Rollouts whose every return is 3.0, far beyond one value clip (0.5) from the initial critic's
     values (near 0); with old_values, those are 0.0 (a rollout-time critic that predicted 0)."""
-    from critic_adapters.common.data import make_default_records
+    from critic_adapters.common.learning.data import make_default_records
 
     with open(path, "w") as f:
         for record in make_default_records(128, seed=0):

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor
 
-from critic_adapters.common.distributed import DistContext
+from critic_adapters.common.parallel.distributed import DistContext
 from critic_adapters.common.engine import RolloutBatch
 
 from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402

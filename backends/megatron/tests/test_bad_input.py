@@ -5,8 +5,8 @@ import torch
 from megatron.core import parallel_state
 
 from critic_adapters.backends.megatron.engine import MegatronCriticEngine
-from critic_adapters.common.config import EngineConfig, ModelConfig, ParallelConfig
-from critic_adapters.common.distributed import DistContext
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import DistContext
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import run_pytest
 

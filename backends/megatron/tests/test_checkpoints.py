@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from critic_adapters.backends.megatron.tests.launch import run_torchrun
-from critic_adapters.common.checkpoints import META_FILE
+from critic_adapters.common.storage.checkpoints import META_FILE
 from critic_adapters.common.testdata import save_tiny_causal_lm
 from critic_adapters.common.tests.helpers import save_rollout_batch, run_pytest
 from critic_adapters.common.tests.torchrun import then

@@ -10,7 +10,7 @@ import sys
 from safetensors.torch import load_file
 
 from critic_adapters.backends.megatron.tests.launch import worker_env
-from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.job.metrics import read_metrics
 from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
                                                    run_pytest)
 from critic_adapters.common.tests.torchrun import (KILL_AFTER_STEP, assert_resumed_run_follows,

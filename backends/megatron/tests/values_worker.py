@@ -15,8 +15,8 @@ import warnings
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig, ParallelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import build_engine
 from critic_adapters.common.tests.helpers import padded_batch
 

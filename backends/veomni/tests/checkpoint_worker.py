@@ -11,8 +11,8 @@ import sys
 import torch
 
 from critic_adapters.backends.veomni.tests.worker_common import gather_rows, quiet, rank_share
-from critic_adapters.common.config import EngineConfig, ModelConfig, OptimConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import build_engine
 
 

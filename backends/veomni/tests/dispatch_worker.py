@@ -11,8 +11,8 @@ import sys
 import torch
 
 from critic_adapters.backends.veomni.tests.worker_common import quiet
-from critic_adapters.common.config import EngineConfig, ModelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import build_engine
 from critic_adapters.common.valuehead.load import plan_load
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from critic_adapters.backends.veomni import value_model
-from critic_adapters.common.registry import check_engine_config
+from critic_adapters.common.engine.registry import check_engine_config
 from critic_adapters.backends.veomni.tests.launch import run_torchrun, worker_env
-from critic_adapters.common.config import EngineConfig, ParallelConfig
+from critic_adapters.common.engine.config import EngineConfig, ParallelConfig
 from critic_adapters.common.tests import checkpoint_builders
 from critic_adapters.common.tests.helpers import padded_batch, run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic

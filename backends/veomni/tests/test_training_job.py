@@ -6,7 +6,7 @@ import json
 import shutil
 
 from critic_adapters.backends.veomni.tests.launch import LAUNCHER, run_launcher
-from critic_adapters.common.metrics import read_metrics
+from critic_adapters.common.job.metrics import read_metrics
 from critic_adapters.common.tests.helpers import SHORT_JOB, run_pytest
 from critic_adapters.common.tests.torchrun import assert_killed_run_resumes_identically, assert_resumed_run_follows
 

@@ -13,8 +13,8 @@ import warnings
 import torch
 
 from critic_adapters.backends.veomni.tests.worker_common import gather_rows, quiet
-from critic_adapters.common.config import BatchingConfig, EngineConfig, ModelConfig
-from critic_adapters.common.distributed import init_distributed, shutdown
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, ModelConfig
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import build_engine
 
 

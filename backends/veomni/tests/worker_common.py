@@ -7,7 +7,7 @@ import warnings
 import torch
 import torch.distributed as torch_dist
 
-from critic_adapters.common.distributed import DistContext
+from critic_adapters.common.parallel.distributed import DistContext
 from critic_adapters.common.engine import RolloutBatch
 
 from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402

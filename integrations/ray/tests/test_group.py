@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from critic_adapters.common.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.engine import RolloutBatch
 from critic_adapters.common.tests.helpers import FIELDS, run_pytest, save_rollout_batch
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
@@ -64,8 +64,8 @@ def rollout_batch(batch_file: str) -> RolloutBatch:
 
 
 def in_process_values(backend: str, config: EngineConfig, batch: RolloutBatch) -> torch.Tensor:
-    from critic_adapters.common.distributed import init_distributed
-    from critic_adapters.common.registry import build_engine
+    from critic_adapters.common.parallel.distributed import init_distributed
+    from critic_adapters.common.engine.registry import build_engine
 
     engine = build_engine(backend, config, init_distributed())
     try:
@@ -185,9 +185,9 @@ def test_the_group_has_the_whole_contract_and_its_step_in_pieces_is_one_engines(
     """forward_backward / step_optimizer / zero_grad / scheduler on the group (each actor on its
     data-parallel share, gradients averaged over the 2) equal one in-process engine's on every row
     with half the loss."""
-    from critic_adapters.common.distributed import init_distributed
+    from critic_adapters.common.parallel.distributed import init_distributed
     from critic_adapters.common.engine import contract_members
-    from critic_adapters.common.registry import build_engine
+    from critic_adapters.common.engine.registry import build_engine
 
     group, batch = fsdp_group, rollout_batch(batch_file)
     assert [name for name in contract_members() if not hasattr(group, name)] == []

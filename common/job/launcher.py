@@ -6,8 +6,8 @@
 alias: LauncherSpec(backend=...)); `python -m <package>.integrations.ray.train` is the same launcher
 with the engine's ranks in a Ray worker group instead of torchrun processes (LauncherSpec's
 add_arguments and run). The backend comes from --backend, else the config's `backend`, else the
-alias's; its default job is common/default_job.yaml under its BackendSpec's job_defaults
-(common/registry.py), which also says what it implements. Without --nproc it starts as many
+alias's; its default job is common/job/default_job.yaml under its BackendSpec's job_defaults
+(common/engine/registry.py), which also says what it implements. Without --nproc it starts as many
 processes as engine.parallel needs. Flags may come anywhere among the items. Without torchrun,
 --nproc N > 1 relaunches the same module under torchrun, by the name it runs under (so a vendored
 copy relaunches itself, not ours). Config, backend and run_dir are checked before any process group
@@ -28,9 +28,9 @@ INTERRUPTED = 130  # the shell's code for a job ended by Ctrl-C
 DEFAULT_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_job.yaml")
 
 LAYERS_HELP = """\
-How the config is built (later wins, key by key): the built-in defaults (common/config.py), the
-embedded default job (common/default_job.yaml), the backend's own default settings (its BackendSpec's
-job_defaults in common/registry.py), your YAML files in order, then key=value overrides. --resume
+How the config is built (later wins, key by key): the built-in defaults (common/engine/config.py), the
+embedded default job (common/job/default_job.yaml), the backend's own default settings (its BackendSpec's
+job_defaults in common/engine/registry.py), your YAML files in order, then key=value overrides. --resume
 with no YAML file starts from the run's own run_dir/config.yaml instead. --print-config shows the
 result."""
 
@@ -100,9 +100,9 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
-    """Run this module's workers under torchrun's agent in this process (common.quiet_torchrun) and
+    """Run this module's workers under torchrun's agent in this process (common.job.quiet_torchrun) and
     wait; returns the failed worker's exit code. The workers watch this pid and exit when it is gone
-    (common.lifeline); Ctrl-C here reaches torchrun's agent, which passes it on to the workers once
+    (common.job.lifeline); Ctrl-C here reaches torchrun's agent, which passes it on to the workers once
     (each runs in a session of its own), so that they stop and report where."""
     from .lifeline import LAUNCHER_PID_ENV
     from .quiet_torchrun import main as torchrun
@@ -119,7 +119,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
 
 def _user_layers(args, spec: LauncherSpec) -> tuple[list[str], list[str], str | None]:
     """(the user's YAML files, overrides, the run's saved config.yaml when --resume has no YAML)."""
-    from .config import load_train_config
+    from ..engine.config import load_train_config
 
     yamls = [item for item in args.items if "=" not in item]
     overrides = [item for item in args.items if "=" in item]
@@ -127,8 +127,8 @@ def _user_layers(args, spec: LauncherSpec) -> tuple[list[str], list[str], str | 
         overrides.append("trainer.resume=true")
     saved = None
     if args.resume and not yamls:  # the run_dir the backend's default job would use (megatron's is its own)
-        from .config import declared_backend
-        from .registry import backend_spec
+        from ..engine.config import declared_backend
+        from ..engine.registry import backend_spec
 
         backend = args.backend or declared_backend([], overrides) or spec.backend or "fsdp"
         defaults = ("job_defaults", backend_spec(backend).job_defaults)
@@ -140,8 +140,8 @@ def _user_layers(args, spec: LauncherSpec) -> tuple[list[str], list[str], str | 
 
 def _choose_backend(args, spec: LauncherSpec, yamls: list[str], overrides: list[str], saved: str | None) -> str:
     """--backend, else the config's `backend`, else the alias's, else fsdp; an alias refuses another."""
-    from .config import declared_backend
-    from .registry import backend_spec
+    from ..engine.config import declared_backend
+    from ..engine.registry import backend_spec
 
     declared = declared_backend([saved] if saved else yamls, overrides)
     backend = args.backend or declared or spec.backend or "fsdp"
@@ -163,9 +163,9 @@ def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print)
     file starts from the run's own config.yaml (run_dir/config.yaml, what ran) instead of the
     defaults. `world_size`: the processes the job will have (None: what engine.parallel needs).
     """
-    from .atomic_dir import unwritable_reason
-    from .config import load_train_config
-    from .registry import backend_spec, check_layout
+    from ..storage.atomic_dir import unwritable_reason
+    from ..engine.config import load_train_config
+    from ..engine.registry import backend_spec, check_layout
     from .trainer import check_backend
 
     try:
@@ -227,7 +227,7 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
             say_error(str(err))
         return 2
     if args.print_config:
-        from .config import to_yaml
+        from ..engine.config import to_yaml
 
         print(to_yaml(config))
         return 0
@@ -254,7 +254,7 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
 
 
 def _run(args, config) -> int:
-    from .distributed import init_distributed, shutdown
+    from ..parallel.distributed import init_distributed, shutdown
     from .lifeline import LAUNCHER_PID_ENV, exit_when_gone
     from .trainer import dry_run, run_training
 
@@ -306,7 +306,7 @@ def fail(err: BaseException, dist) -> int:
     if world > 1:
         os._exit(code)
     if dist is not None:
-        from .distributed import shutdown
+        from ..parallel.distributed import shutdown
 
         _drop_frames(err)  # what failed may hold process groups in its frames' locals (a half-built engine's mesh)
         shutdown()

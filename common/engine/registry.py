@@ -19,7 +19,7 @@ from collections.abc import Callable
 from .config import EngineConfig, ModelConfig, ParallelConfig
 
 # The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
-PACKAGE_ROOT = __package__.rpartition(".")[0]
+PACKAGE_ROOT = __package__.removesuffix("common.engine").removesuffix(".")
 
 # Model-parallel dimensions a backend may implement (engine.parallel.<name>).
 PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses")
@@ -46,9 +46,9 @@ class BackendSpec:
     """The OPTIONAL_KNOBS it honours."""
     launcher: str | None = None
     """Its launcher alias module ("python -m <package><launcher>", the one launcher with the
-    backend fixed; common/launcher.py), or None when it has none."""
+    backend fixed; common/job/launcher.py), or None when it has none."""
     job_defaults: tuple[str, ...] = ()
-    """key=value settings layered on the embedded default job (common/default_job.yaml) for this
+    """key=value settings layered on the embedded default job (common/job/default_job.yaml) for this
     backend, below the user's YAML files and overrides."""
     check_layout: str | Callable | None = None
     """"module:callable" (as factory) or the callable: check_layout(model_config, engine_config,
@@ -76,7 +76,7 @@ BACKENDS: dict[str, BackendSpec] = {
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.fsdp.train",
-        check_layout=".common.ulysses:check_layout",
+        check_layout=".common.parallel.ulysses:check_layout",
     ),
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
@@ -94,7 +94,7 @@ BACKENDS: dict[str, BackendSpec] = {
                          "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",
         job_defaults=("trainer.run_dir=outputs/veomni-default",),
-        check_layout=".common.ulysses:check_layout",
+        check_layout=".common.parallel.ulysses:check_layout",
     ),
 }
 
@@ -176,11 +176,11 @@ def model_critic_config(model: ModelConfig):
     """The critic config (TokenClassification, num_labels=1) of engine.model.path (`embedded:<family>`
     included), from config.json and tensor headers only."""
     if model.path.startswith("embedded:"):
-        from .testdata import tiny_config
-        from .valuehead.config import critic_config
+        from ..testdata import tiny_config
+        from ..valuehead.config import critic_config
 
         return critic_config(tiny_config(model.path.removeprefix("embedded:")))
-    from .valuehead.load import plan_load
+    from ..valuehead.load import plan_load
 
     return plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code).config
 
@@ -192,7 +192,7 @@ def check_value_head(engine: EngineConfig) -> None:
     model = engine.model
     if model.path.startswith("embedded:"):  # a fresh random model: no head to keep
         return
-    from .valuehead.load import check_head_change, plan_load
+    from ..valuehead.load import check_head_change, plan_load
 
     plan = plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code,
                      value_head=engine.loss.support)
@@ -202,7 +202,7 @@ def check_value_head(engine: EngineConfig) -> None:
 def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
     """The world splits into engine.parallel's groups, the backend's check_layout (if any) accepts
     the model under that layout, the checkpoint's head fits engine.loss (check_value_head) and
-    engine.lora fits the model (common.lora.check_lora); ValueError otherwise. Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
+    engine.lora fits the model (common.engine.lora.check_lora); ValueError otherwise. Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
     engine.parallel.data_parallel_size(world_size)
     spec = backend_spec(name)
     check_value_head(engine)
@@ -219,13 +219,13 @@ def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
 
 def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
     """The engine of a registered backend: `factory(config, dist, **kwargs)`, a CriticEngine
-    (common/engine.py has the contract).
+    (common/engine/__init__.py has the contract).
 
-    config: the EngineConfig (common/config.py; every field has a default).
-    dist: this process's DistContext, from common.distributed.init_distributed() (it joins the
+    config: the EngineConfig (common/engine/config.py; every field has a default).
+    dist: this process's DistContext, from common.parallel.distributed.init_distributed() (it joins the
       torchrun group, or makes a world of one), called once per process before any engine is built.
     Refuses parallel degrees and knobs the backend does not implement (check_engine_config) before
-    anything is built. Close the engine (engine.close()) before common.distributed.shutdown().
+    anything is built. Close the engine (engine.close()) before common.parallel.distributed.shutdown().
     """
     check_engine_config(backend, config)
     return _resolve(backend_spec(backend).factory)(config, dist, **kwargs)

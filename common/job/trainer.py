@@ -22,14 +22,14 @@ import tempfile
 
 import torch
 
-from . import checkpoints
-from .config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
-from .data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
+from ..storage import checkpoints
+from ..engine.config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
+from ..learning.data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
                    validate_records)
-from .distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
-from .engine import RolloutBatch, shift_to_tokens
-from .registry import build_engine, check_engine_config, check_layout
-from .loss import explained_variance
+from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
+from ..engine import RolloutBatch, shift_to_tokens
+from ..engine.registry import build_engine, check_engine_config, check_layout
+from ..learning.loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
 from .run_lock import check_not_in_use, run_dir_lock
 
@@ -62,8 +62,8 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
     """`embedded:<family>` -> a tiny random model written once into run_dir (by rank 0)."""
     if not path.startswith("embedded:"):
         return path
-    from .atomic_dir import atomic_directory
-    from .testdata import save_tiny_causal_lm
+    from ..storage.atomic_dir import atomic_directory
+    from ..testdata import save_tiny_causal_lm
 
     family = path.removeprefix("embedded:")
     target = os.path.join(run_dir, f"embedded-{family}")
@@ -79,7 +79,7 @@ def model_limits(model_path: str, trust_remote_code: bool) -> tuple[int, int | N
     from transformers import AutoConfig
 
     if model_path.startswith("embedded:"):
-        from .testdata import tiny_config
+        from ..testdata import tiny_config
 
         text = tiny_config(model_path.removeprefix("embedded:")).get_text_config()
     else:
@@ -164,7 +164,7 @@ def check_model_values(predictions: torch.Tensor, response_mask: torch.Tensor, c
     if bad:
         raise ValueError(f"{what} are NaN/inf at {bad} response tokens: the model ({config.engine.model.path}) "
                          f"produces them, not the rollout data (which was checked). Check its weights (python -m "
-                         f"{__package__}.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
+                         f"{__package__.removesuffix('.job')}.valuehead inspect), or engine.model.dtype / engine.mixed_precision")
 
 
 def _sequence_split_note(parallel) -> str:
@@ -484,7 +484,7 @@ def _progress(total: int, done: int, *, enabled: bool):
 
 def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
     """Check config, model checkpoint and rollouts without building the engine or training."""
-    from .valuehead.cli import inspect_checkpoint
+    from ..valuehead.cli import inspect_checkpoint
 
     say = say if dist.is_main else (lambda *a, **k: None)
     check_backend(config)  # the layout: checked by the launcher, with the process count it would start
@@ -493,7 +493,7 @@ def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
     with tempfile.TemporaryDirectory(prefix="critic_dry_run_") as scratch:
         model_path = config.engine.model.path
         if model_path.startswith("embedded:"):
-            from .testdata import save_tiny_causal_lm
+            from ..testdata import save_tiny_causal_lm
 
             model_path = save_tiny_causal_lm(model_path.removeprefix("embedded:"), os.path.join(scratch, "model"))
         info = inspect_checkpoint(model_path, head_prefix=config.engine.model.head_prefix,

@@ -4,7 +4,7 @@ engines' `engine.parallel.ulysses = N`.
 Each rank of a sequence-parallel group of N holds 1/N of a micro-batch's columns (`SequenceSplit`):
 embeddings, MLPs, norms and the value head run on that slice alone. In attention an all-to-all
 turns "every head, 1/N of the sequence" into "1/N of the heads, the whole sequence", the usual
-attention runs on it — packed rows per sequence (common/packed_attention.py), padded rows with
+attention runs on it — packed rows per sequence (common/parallel/packed_attention.py), padded rows with
 their padding mask — and a second all-to-all turns it back. The values are gathered back to whole
 rows, so the loss is computed as without SP (the same on every rank of the group).
 
@@ -163,7 +163,7 @@ def ulysses_attention(
 ) -> tuple[torch.Tensor, None]:
     """query (B, Hq, n, D), key/value (B, Hkv, n, D), this rank's columns -> (B, n, Hq, D)."""
     if not _ACTIVE:
-        raise RuntimeError(f"{ATTENTION_NAME} runs inside common.ulysses.active(split): a model loaded with it is "
+        raise RuntimeError(f"{ATTENTION_NAME} runs inside common.parallel.ulysses.active(split): a model loaded with it is "
                            f"run by an engine with engine.parallel.ulysses > 1, not called directly")
     split = _ACTIVE[-1]
     assert query.shape[2] == split.input_ids.shape[1], \

@@ -1,7 +1,7 @@
 """LoRA critics: peft's LoRA layers injected into the HF critic by the model-transform stage, with
 the value head trained in full (peft's `modules_to_save=["score"]`) and every base weight frozen.
 
-  engine.lora.rank > 0 -> lora_transform(engine.lora): a ModelTransform (common/transforms.py) that
+  engine.lora.rank > 0 -> lora_transform(engine.lora): a ModelTransform (common/engine/transforms.py) that
   - injects peft LoRA layers (peft.inject_adapter_in_model, adapter "default") into the target
     projections, B = 0, so the critic's values are the base critic's exactly at the start;
   - keeps the head trainable and everything else frozen;
@@ -23,8 +23,8 @@ import torch
 
 from .config import LoRAConfig
 from .transforms import ModelTransform
-from .valuehead.adapter import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter, read_adapter_config
-from .valuehead.config import head_name
+from ..valuehead.adapter import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter, read_adapter_config
+from ..valuehead.config import head_name
 
 def _is_lora_key(name: str) -> bool:
     """A LoRA weight of the injected critic (`<module>.lora_A.default.weight`, ...)."""
@@ -127,7 +127,7 @@ def write_adapter(directory: str, state: dict[str, torch.Tensor], lora: LoRAConf
     """A peft adapter directory (atomic): adapter_config.json + adapter_model.safetensors."""
     from safetensors.torch import save_file
 
-    from .atomic_dir import atomic_directory
+    from ..storage.atomic_dir import atomic_directory
 
     with atomic_directory(directory, overwrite=True) as staging:
         peft_lora_config(lora, head, base_path).save_pretrained(staging)
@@ -183,7 +183,7 @@ def check_lora(critic_config, lora: LoRAConfig) -> None:
     rank, alpha and targets are engine.lora's, its tensors have this critic's shapes)."""
     from safetensors import safe_open
 
-    from .valuehead.config import critic_class
+    from ..valuehead.config import critic_class
 
     with torch.device("meta"):
         model = critic_class(critic_config)(critic_config)

@@ -29,8 +29,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .atomic_dir import commit_staging_dir, make_staging_dir
-from .distributed import agree_on_failure, barrier, broadcast_object
-from .hl_gauss import HLGaussSupport, describe, support_of
+from ..parallel.distributed import agree_on_failure, barrier, broadcast_object
+from ..learning.hl_gauss import HLGaussSupport, describe, support_of
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -137,7 +137,7 @@ def _numel(shape: list[int]) -> int:
 def staged_checkpoint(directory: str, *, is_main: bool, group, timeout_s: float):
     """Yield one staging directory to every rank of `group`; it replaces `directory` when all ranks'
     blocks succeed. If any rank fails, every rank raises with that rank's message (none is left
-    waiting: common.distributed.agree_on_failure, `timeout_s` at most), the staging directory is
+    waiting: common.parallel.distributed.agree_on_failure, `timeout_s` at most), the staging directory is
     removed and the previous checkpoint stays as it was."""
     directory = os.path.abspath(directory)
     staging = error = None

@@ -9,10 +9,10 @@ trainable parameters only (`trainable_parameters`). At export, each transform's 
 the full state dict back to the plain critic's (fold an adapter in, drop what it added), last
 transform first, so `export_hf` always writes a plain *ForTokenClassification. The checkpoint
 fingerprint records the transforms and which parameters they left trainable
-(common.checkpoints.critic_fingerprint).
+(common.storage.checkpoints.critic_fingerprint).
 
 engine.transforms names them, in order; `register_transform(name, transform)` adds one. What an
-engine applies, in which order, is common.pipeline.engine_transforms (LoRA, common/lora.py, is one
+engine applies, in which order, is common.engine.pipeline.engine_transforms (LoRA, common/engine/lora.py, is one
 of them). Wherever a list of transforms is taken, an item is a registered name or a ModelTransform
 itself. This module imports no transform's implementation: lora.py imports it, not the reverse.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from .valuehead.config import critic_head
+from ..valuehead.config import critic_head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

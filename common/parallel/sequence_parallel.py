@@ -1,5 +1,5 @@
 """Collectives for splitting a sequence across ranks, with the gradients they need: written once,
-used by Ulysses attention (common/ulysses.py: the fsdp and veomni engines) and by megatron's
+used by Ulysses attention (common/parallel/ulysses.py: the fsdp and veomni engines) and by megatron's
 context parallelism.
 
 All of them run on gloo (CPU) as well as NCCL: they use `all_to_all_single`, `all_gather` of equal shapes and

@@ -11,8 +11,8 @@ import difflib
 import re
 import warnings
 
-from .hl_gauss import HLGaussSupport, support_problem
-from .loss import AGG_MODES
+from ..learning.hl_gauss import HLGaussSupport, support_problem
+from ..learning.loss import AGG_MODES
 
 DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("none", "bf16")
@@ -37,7 +37,7 @@ class ModelConfig:
     init_from_scalar_head: bool = False
     """With engine.loss.kind=hl_gauss and a checkpoint whose head is scalar (an MSE critic): start
     the HL-Gauss head from it, its distribution at every token a Gaussian centred on the scalar
-    head's value (common/hl_gauss.py: from_scalar_head). False: a zero head (uniform over the bins,
+    head's value (common/learning/hl_gauss.py: from_scalar_head). False: a zero head (uniform over the bins,
     value = the support's centre)."""
 
     def __post_init__(self):
@@ -91,7 +91,7 @@ LOSS_KINDS = ("mse", "hl_gauss")
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class HLGaussConfig:
-    """The support of an HL-Gauss value head (common/hl_gauss.py), used with engine.loss.kind=hl_gauss."""
+    """The support of an HL-Gauss value head (common/learning/hl_gauss.py), used with engine.loss.kind=hl_gauss."""
 
     num_bins: int = 51
     min_value: float | None = None
@@ -106,7 +106,7 @@ class HLGaussConfig:
 class LossConfig:
     kind: str = "mse"
     """mse: a scalar head and the clipped squared error; hl_gauss: a head of hl_gauss.num_bins logits
-    trained by cross-entropy against HL-Gauss targets, its value the expectation (common/hl_gauss.py)."""
+    trained by cross-entropy against HL-Gauss targets, its value the expectation (common/learning/hl_gauss.py)."""
     clip_range: float | None = 0.5
     """Value clip eps around the rollout's old values; None for the unclipped loss (mse only: set it
     to null with kind=hl_gauss). The standalone job's rollouts without old_values take the current
@@ -163,7 +163,7 @@ class BatchingConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     """Model-parallel degrees; data parallel is the world size divided by their product. A degree a
-    backend does not implement is refused, naming the key (common/registry.py: its BackendSpec)."""
+    backend does not implement is refused, naming the key (common/engine/registry.py: its BackendSpec)."""
 
     tensor: int = 1
     """Tensor-parallel degree (Megatron)."""
@@ -176,7 +176,7 @@ class ParallelConfig:
     layout, and attention gathers keys and values over the group."""
     ulysses: int = 1
     """Ulysses sequence-parallel degree (fsdp, veomni): each rank holds 1/N of every micro-batch's
-    tokens; attention trades sequence for heads with an all-to-all (common/ulysses.py)."""
+    tokens; attention trades sequence for heads with an all-to-all (common/parallel/ulysses.py)."""
 
     def __post_init__(self):
         for name in ("tensor", "pipeline", "context", "ulysses"):
@@ -203,7 +203,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class LoRAConfig:
-    """A LoRA critic (common/lora.py): adapters on the backbone's projections, its base weights
+    """A LoRA critic (common/engine/lora.py): adapters on the backbone's projections, its base weights
     frozen, the value head trained in full."""
 
     rank: int = 0
@@ -257,7 +257,7 @@ class EngineConfig:
     and by veomni with one rank, where it does not shard)."""
     transforms: list[str] = dataclasses.field(default_factory=list)
     """Model transforms applied between loading the critic and parallelising it, in order
-    (common/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""
+    (common/engine/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""
     seed: int = 0
     collective_timeout_s: float = 600.0
     """How long a rank waits in a collective, or for the others to report how a save, load or export
@@ -285,7 +285,7 @@ class DataConfig:
     """Discount for GAE when the data has per-token rewards instead of returns."""
     lam_critic: float = 1.0
     """GAE lambda of the critic's returns for the same (1.0: Monte-Carlo returns, as VAPO and VC-PPO
-    train the critic; common.data.gae also gives the policy its own lambda)."""
+    train the critic; common.learning.data.gae also gives the policy its own lambda)."""
     lam: float | None = None
     """Deprecated name of lam_critic (still read; it sets lam_critic)."""
     mini_batch_size: int = 64

@@ -74,7 +74,7 @@ def _row_spans(b: int, length: int, position_ids: torch.Tensor | None) -> list[t
         raise ValueError(
             f"{ATTENTION_NAME} got position ids of shape {tuple(position_ids.shape)} and no stated sequence "
             f"bounds; run packed rows through common.valuehead.compute_values (or wrap the call in "
-            f"common.packed_attention.sequence_bounds(position_ids_2d))")
+            f"common.parallel.packed_attention.sequence_bounds(position_ids_2d))")
     return segment_bounds(position_ids[b])
 
 
@@ -156,7 +156,7 @@ def _refuse_padding_mask(*args, attention_mask: torch.Tensor | None = None, **kw
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
             f"{ATTENTION_NAME} runs on packed rows only (attention per sequence from position_ids); got a "
-            f"padding attention_mask. Pack the rows (common.batching.pack) or load the model with sdpa."
+            f"padding attention_mask. Pack the rows (common.parallel.batching.pack) or load the model with sdpa."
         )
     return None
 

@@ -3,14 +3,14 @@
   1. load      common.valuehead.load_critic: any critic format, the head checks, the load report
                (the HL-Gauss head, engine.loss.kind=hl_gauss, is built here: the head's shape is
                part of the checkpoint format, config.critic_value_head);
-  2. transform engine_transforms(config), applied in order by common.transforms.apply_transforms:
+  2. transform engine_transforms(config), applied in order by common.engine.transforms.apply_transforms:
                engine.transforms (freezing, a host's own), then LoRA (engine.lora.rank > 0);
   3. parallelise the backend's own: FSDP2 over the mesh's shard group (fsdp: backends/fsdp/
                sharded_load.py; VeOmni: its parallelize), or megatron's module, which follows the
                transforms (convert.follow_frozen, LoRA as megatron adapters);
-  4. optimize  over the trainable parameters only (common.transforms.trainable_parameters).
+  4. optimize  over the trainable parameters only (common.engine.transforms.trainable_parameters).
 
-At export the transforms run backwards (common.transforms.export_state_dict): the HF export is the
+At export the transforms run backwards (common.engine.transforms.export_state_dict): the HF export is the
 plain critic whatever the pipeline added. This module decides the transform stage's order; it may
 import common's transform implementations (transforms, lora), nothing above them.
 """

@@ -1,9 +1,15 @@
-"""The engine API every backend implements (the registry that builds one by name: common/registry.py).
+"""The engine layer: the contract every backend implements (this module), how an engine is chosen
+and configured (registry: the backend specs and build_engine; config: EngineConfig and the job's
+config; mesh: the ParallelMesh) and the pieces backends build engines from (pipeline and transforms:
+load -> transforms -> parallelise, with LoRA in lora; schedule; update_step: one optimizer step over
+micro-batches; fsdp2_core: the FSDP2 engine fsdp and veomni share). It may import common.parallel,
+common.learning, common.storage, common.valuehead and common.testdata; never common.job or a
+backend.
 
 An engine owns a critic, its optimizer and schedule, and its parallelisation. The contract
 (docs/ARCHITECTURE.md, "The engine contract", says the same in one place):
 
-  parallel                       the engine's common.mesh.ParallelMesh: degrees, coordinates and
+  parallel                       the engine's common.engine.mesh.ParallelMesh: degrees, coordinates and
                                  the process group of every parallel dimension.
   dp_rank, dp_size, dp_group     this rank's data-parallel coordinates (parallel's). The trainer
                                  gives each DP rank its share of every mini-batch
@@ -16,9 +22,9 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   update(batch) -> metrics       one optimizer step on this DP rank's share of a mini-batch; the loss
                                  is normalised over the whole mini-batch (all DP ranks, all
                                  micro-batches), gradients are those of that loss, and the metrics
-                                 (common.update_step.METRICS) are reduced over the DP group.
+                                 (common.engine.update_step.METRICS) are reduced over the DP group.
   save_checkpoint(dir, extra_state) / load_checkpoint(dir) -> extra_state
-                                 collective; atomic, fingerprinted (common/checkpoints.py); loading
+                                 collective; atomic, fingerprinted (common/storage/checkpoints.py); loading
                                  restores the engine's own RNG, never the process's.
   checkpoint_bytes() -> int      the bytes a save writes (all ranks), for the free-space check
   export_hf(dir)                 a plain *ForTokenClassification (common.valuehead.save_critic)
@@ -33,7 +39,7 @@ The CriticEngine Protocol below holds the whole surface with its docstrings; the
 Building an engine has no process-wide side effects: no global seeding, warning filters or
 environment changes.
 
-Importing this module imports no backend (common/registry.py imports one only when it is built).
+Importing this package imports no backend (common/engine/registry.py imports one only when it is built).
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ from typing import Protocol
 
 import torch
 
-from .distributed import all_reduce
-from .loss import shift_to_tokens  # noqa: F401 - part of the engine API (the loss's alignment)
+from ..parallel.distributed import all_reduce
+from ..learning.loss import shift_to_tokens  # noqa: F401 - part of the engine API (the loss's alignment)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,9 +81,9 @@ class RolloutBatch:
 
 
 class CriticEngine(Protocol):
-    """What every backend's engine is. Build one with common.registry.build_engine(backend, config,
-    dist): `config` an EngineConfig (common/config.py, every field defaulted), `dist` the
-    DistContext that common.distributed.init_distributed() returns (call it once per process, under
+    """What every backend's engine is. Build one with common.engine.registry.build_engine(backend, config,
+    dist): `config` an EngineConfig (common/engine/config.py, every field defaulted), `dist` the
+    DistContext that common.parallel.distributed.init_distributed() returns (call it once per process, under
     torchrun or alone for a world of one). Every method is collective over the engine's ranks:
     call it on all of them, in the same order. Example (one process, CPU):
 
@@ -91,7 +97,7 @@ class CriticEngine(Protocol):
     """
 
     parallel: object
-    """common.mesh.ParallelMesh: the degree, coordinate and group of every parallel dimension
+    """common.engine.mesh.ParallelMesh: the degree, coordinate and group of every parallel dimension
     (a Ray group, which drives its workers' engines from one process, has none)."""
     dp_rank: int
     dp_size: int
@@ -118,7 +124,7 @@ class CriticEngine(Protocol):
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: every field
         required, all [B, T]; old_values and returns token-aligned). The loss is normalised over
-        the whole mini-batch across DP ranks. Returns common.update_step.METRICS (docs/METRICS.md),
+        the whole mini-batch across DP ranks. Returns common.engine.update_step.METRICS (docs/METRICS.md),
         reduced over the DP group."""
         ...
 
@@ -175,7 +181,7 @@ class CriticEngine(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the engine's groups and memory; before common.distributed.shutdown()."""
+        """Release the engine's groups and memory; before common.parallel.distributed.shutdown()."""
         ...
 
 
@@ -186,7 +192,7 @@ def contract_members() -> list[str]:
     return sorted(set(CriticEngine.__annotations__) | set(methods))
 
 
-# The registry of backends (their specs, build_engine, register_backend) is common/registry.py;
+# The registry of backends (their specs, build_engine, register_backend) is common/engine/registry.py;
 # re-exported here, where callers have always found build_engine.
 from .registry import BACKENDS, build_engine  # noqa: E402,F401
 

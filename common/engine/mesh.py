@@ -11,7 +11,7 @@ sub-world a host gives the critic (ranks 2 and 3 of 4): the fsdp engine builds i
 passed in, or runs on the one passed in. megatron and VeOmni wrap the groups their libraries create
 over the default group (`ParallelMesh.from_groups`; megatron-core's parallel_state and VeOmni's
 parallel state are process-wide) and refuse a sub-world mesh by name. Every collective of the
-engines names its group (common.distributed refuses one without a group where others would wait):
+engines names its group (common.parallel.distributed refuses one without a group where others would wait):
 loading, DCP, loss normalisation and metric reductions use `dp_group` or `shard_group`;
 collectives that every rank of the engine joins use `world_group`.
 
@@ -28,7 +28,7 @@ import dataclasses
 import torch.distributed as torch_dist
 
 from .config import ParallelConfig
-from .distributed import DistContext
+from ..parallel.distributed import DistContext
 
 PIPELINE, DATA, CONTEXT, ULYSSES, TENSOR = "pipeline", "data", "context", "ulysses", "tensor"
 DIMS = (PIPELINE, DATA, CONTEXT, ULYSSES, TENSOR)

@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from .batching import MicroBatch, count_micro_batches, make_micro_batches
+from ..parallel.batching import MicroBatch, count_micro_batches, make_micro_batches
 from .config import BatchingConfig, LossConfig
-from .distributed import all_reduce
-from .engine import RolloutBatch
-from .hl_gauss import expectation
-from .loss import explained_variance_from_sums, hl_gauss_loss_terms, loss_normalizer, value_loss_terms
+from ..parallel.distributed import all_reduce
+from . import RolloutBatch
+from ..learning.hl_gauss import expectation
+from ..learning.loss import explained_variance_from_sums, hl_gauss_loss_terms, loss_normalizer, value_loss_terms
 
 # docs/METRICS.md defines each one.
 METRICS = ("value_loss", "mse", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s",

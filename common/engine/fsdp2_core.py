@@ -2,7 +2,7 @@
 an FSDP2-sharded Hugging Face critic, with small hooks for what a backend does its own way.
 
 A backend subclasses FSDP2Engine and implements
-  _build_mesh()   the ParallelMesh when none is passed in (fsdp: common.mesh.build_mesh; veomni:
+  _build_mesh()   the ParallelMesh when none is passed in (fsdp: common.engine.mesh.build_mesh; veomni:
                   the groups of VeOmni's parallel state)
   _build()        (model, load report, optimizer, scheduler): load, transform, parallelise
 and may override
@@ -12,7 +12,7 @@ and may override
   _release()      free what the backend holds besides model and optimizer (VeOmni's state)
 
 A checkpoint directory holds the DCP shards of model + optimizer, `trainer_state.pt` and
-`critic_checkpoint.json` (common/checkpoints.py: staging, the all-ranks-or-none commit, the
+`critic_checkpoint.json` (common/storage/checkpoints.py: staging, the all-ranks-or-none commit, the
 fingerprint). DCP reshards on load: a checkpoint from 2 ranks loads on 1 and back, and the two
 backends read each other's checkpoints.
 """
@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from . import packed_attention, ulysses
-from .batching import MicroBatch
-from .checkpoints import (
+from ..parallel import packed_attention, ulysses
+from ..parallel.batching import MicroBatch
+from ..storage.checkpoints import (
     check_meta,
     critic_fingerprint,
     load_trainer_state,
@@ -47,17 +47,17 @@ from .checkpoints import (
     write_meta,
 )
 from .config import EngineConfig
-from .distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
-from .engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ..parallel.distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
+from . import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .registry import check_engine_config
-from .shard_state import gather_full_state
+from ..parallel.shard_state import gather_full_state
 from .pipeline import engine_transforms
 from .transforms import export_state_dict, trainable_parameters, transform_names
 from .update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
-from .valuehead import save_critic
-from .valuehead.attention import flash_attention_available
-from .valuehead.values import compute_bin_logits, compute_values
+from ..valuehead import save_critic
+from ..valuehead.attention import flash_attention_available
+from ..valuehead.values import compute_bin_logits, compute_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -203,7 +203,7 @@ class FSDP2Engine(abc.ABC):
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns the metrics of
-        common.update_step.METRICS over the data-parallel group."""
+        common.engine.update_step.METRICS over the data-parallel group."""
         return one_update(self, batch, dp_group=self.dp_group)
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
@@ -274,7 +274,7 @@ class FSDP2Engine(abc.ABC):
         """Restore model, optimizer, scheduler and the engine's RNG in place; returns the saved extra state."""
         self._settle()
         # Each rank reads the checkpoint's files itself: all agree on what they found before the
-        # collective load, and on how the load went after it (common.distributed.one_outcome).
+        # collective load, and on how the load went after it (common.parallel.distributed.one_outcome).
         agreed = functools.partial(one_outcome, group=self.shard_group, timeout_s=self.config.collective_timeout_s)
         with agreed(f"loading checkpoint {directory}"):
             meta = check_meta(directory, self.fingerprint)
@@ -301,13 +301,13 @@ class FSDP2Engine(abc.ABC):
 
     def _full_state(self) -> dict | None:
         """The full (unsharded) model state dict on the CPU of the shard group's first rank, None
-        elsewhere (collective over the shard group, tensor by tensor: common.shard_state)."""
+        elsewhere (collective over the shard group, tensor by tensor: common.parallel.shard_state)."""
         self._settle()
         return gather_full_state(self.model, group=self.shard_group)
 
     def export_hf(self, directory: str) -> None:
         """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
-        weights; what transforms added is folded back or dropped: common.transforms)."""
+        weights; what transforms added is folded back or dropped: common.engine.transforms)."""
         full = self._full_state()
         with one_outcome(f"exporting {directory}", group=self.shard_group, timeout_s=self.config.collective_timeout_s):
             if self.is_shard_main:  # the others wait for it, and raise with its error if it fails
@@ -316,13 +316,13 @@ class FSDP2Engine(abc.ABC):
                     save_critic(self.model, directory, state_dict=plain, overwrite=True)
 
     def export_adapter(self, directory: str) -> None:
-        """Write the LoRA adapter and the trained head as a peft adapter directory (common/lora.py),
+        """Write the LoRA adapter and the trained head as a peft adapter directory (common/engine/lora.py),
         which peft.PeftModel.from_pretrained loads onto the base critic; engine.lora.rank must be > 0."""
         lora = self.config.lora
         if not lora.rank:
             raise ValueError("export_adapter: this critic has no LoRA adapter (engine.lora.rank=0); use export_hf")
         from .lora import write_adapter
-        from .valuehead.config import head_name
+        from ..valuehead.config import head_name
 
         full = self._full_state()
         with one_outcome(f"exporting the adapter {directory}", group=self.shard_group,
@@ -342,7 +342,7 @@ class FSDP2Engine(abc.ABC):
 
     def close(self) -> None:
         """Release the sharded model and optimizer (and the mesh, when the engine built it). Call
-        before destroying the process group (common.distributed.shutdown)."""
+        before destroying the process group (common.parallel.distributed.shutdown)."""
         self.model = self.optimizer = self.scheduler = None
         self.dp_group = self.shard_group = self.sp_group = None  # a closed engine holds no process group
         self._release_all()
