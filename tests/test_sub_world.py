@@ -74,6 +74,7 @@ def test_megatron_and_veomni_refuse_a_sub_world_by_name(run):
                "group): the mesh passed in has 2 of the 4 ranks" in refused["megatron"], refused
         assert "the veomni engine runs on every process" in refused["veomni"], refused
         assert "use backend fsdp on a sub-world" in refused["veomni"]
+        assert "broadcasts from it over the default group" in refused["veomni"], refused  # the reason, named
 
 
 if __name__ == "__main__":

@@ -59,11 +59,16 @@ class VeOmniCriticEngine(FSDP2Engine):
     def __init__(self, config, dist, *, mesh: ParallelMesh | None = None):
         """`mesh`: accepted when it spans every process with the config's degrees; VeOmni's builders
         read its own parallel state (a process-wide device mesh it builds with init_device_mesh over
-        the default group), so the engine builds that state for the same layout and runs on it."""
+        the default group), so the engine builds that state for the same layout and runs on it. A
+        sub-world is refused: VeOmni's ParallelState reads world size and rank from the default
+        group, and its loader broadcasts from global rank 0 (dist.broadcast(src=0)), which is not a
+        critic rank there."""
         if mesh is not None:
             mesh.check_matches(config.parallel, who="the veomni engine")
             check_spans_world(mesh, who="the veomni engine",
-                              why="VeOmni 0.1.12 builds its parallel state over the default group")
+                              why="VeOmni 0.1.12's parallel state takes its world size and ranks from the default "
+                                  "group, and its weight loader reads on global rank 0 and broadcasts from it over "
+                                  "the default group (veomni.models.module_utils)")
         super().__init__(config, dist)
 
     def _build_mesh(self) -> ParallelMesh:
