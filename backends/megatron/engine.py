@@ -37,6 +37,7 @@ from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.engine.registry import check_engine_config
 from ...common.engine.update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
 from ...common.engine.lora import base_state, injected_names, write_adapter
+from ...common.engine.offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from ...common.engine.pipeline import engine_transforms
 from ...common.engine.transforms import apply_transforms, export_state_dict, transform_names
 from ...common.valuehead import load_critic
@@ -46,7 +47,7 @@ from ...common.valuehead.load import plan_load
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class MegatronCriticEngine:
+class MegatronCriticEngine(Offloadable):
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
         """`mesh`: accepted when its degrees are the config's and it spans every process: megatron-core
         0.16's parallel_state (which its optimizer, schedules and dist_checkpointing read) is built
@@ -170,8 +171,19 @@ class MegatronCriticEngine:
                                  group=parallel_state.get_pipeline_model_parallel_group())
         return tensor
 
+    # -- offload (common.engine.offload): parameters, DDP's grad buffers, the optimizer's state -------
+    def _offload_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        # main_grad: a view of DDP's contiguous grad buffer (the whole buffer goes with it)
+        grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+        return {"model": params, "grads": grads, "optimizer": parallelize.optimizer_tensors(self.optimizer)}
+
+    def _offload_group(self):
+        return self.parallel.world_group
+
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
+    @needs_resident("model")
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size,
@@ -219,6 +231,7 @@ class MegatronCriticEngine:
         self._run(micro_batches, loss_fn, forward_only=False)
         return stats
 
+    @needs_resident(*KINDS)
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch; returns the metrics of
         common.engine.update_step.METRICS over all data-parallel shares."""
@@ -237,8 +250,9 @@ class MegatronCriticEngine:
         micro-batch of these rows; loss_fn(values [B, T] float32, unshifted, with gradients) on the
         last pipeline stage, backpropagated as it is (DDP averages gradients over the data-parallel
         ranks). Returns (values, the loss or None) on every rank (tensor and pipeline peers too)."""
-        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.parallel.world_group)
         train = loss_fn is not None
+        require_resident(self, KINDS if train else ("model",), "forward_backward")
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.parallel.world_group)
         self.model.train(train)
         if train and self._accumulating and self.config.parallel.sequence_parallel:
             # Each schedule run finalises the gradient buffer; under sequence parallelism that sums
@@ -276,6 +290,7 @@ class MegatronCriticEngine:
         """Drop the gradients forward_backward accumulated (its next call starts from zero)."""
         self._accumulating = False
 
+    @needs_resident(*KINDS)
     def step_optimizer(self) -> float:
         """megatron's optimizer step on the accumulated gradients (clipping included); returns the
         gradient norm before clipping. The LR schedule is stepped apart."""
@@ -295,9 +310,11 @@ class MegatronCriticEngine:
         (total,) = all_reduce([float(local)], group=self.parallel.world_group)
         return int(total) + 2**20
 
+    @resident_during
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
         checkpoint.save_checkpoint(directory, self, extra_state or {})
 
+    @resident_during
     def load_checkpoint(self, directory: str) -> dict:
         return checkpoint.load_checkpoint(directory, self)
 
@@ -328,6 +345,7 @@ class MegatronCriticEngine:
             hf_state.update(megatron_lora.megatron_to_hf(stage, self.config.lora, layouts[(pp_rank, 0)]))
         return injected_names(hf_state)
 
+    @resident_during
     def export_hf(self, directory: str) -> None:
         """Write the critic as a plain HF *ForTokenClassification (fp32) with common.valuehead.save_critic
         (LoRA folded in: W + alpha / r * B @ A)."""
@@ -338,6 +356,7 @@ class MegatronCriticEngine:
                 checkpoint.write_hf(directory, export_state_dict(state, self.transforms) if self.transforms else state,
                                     self.critic_class, self.hf_config)
 
+    @resident_during
     def export_adapter(self, directory: str) -> None:
         """Write the LoRA adapter and the trained head as a peft adapter directory (common/engine/lora.py);
         engine.lora.rank must be > 0."""
@@ -362,6 +381,7 @@ class MegatronCriticEngine:
     def close(self) -> None:
         """Release the model, and megatron's process-global state once the last of our megatron
         engines is closed (parallelize.release_model_parallel); before the default group."""
+        self._offload_state.drop()
         self.model = self.optimizer = self.scheduler = None
         self.dp_group = None  # a closed engine holds no process group (shutdown can then end them)
         # RotaryEmbedding.forward is an lru_cache keyed by the module itself: without this the cache

@@ -194,3 +194,15 @@ class LRSchedule:
     def load_state_dict(self, state: dict) -> None:
         self.step_count, self.base_lr = state["step_count"], state["base_lr"]
         self._apply()
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor a megatron optimizer holds: Adam's state and the parameters it steps (for a
+    mixed-precision optimizer its fp32 main copies; with fp32 they are the model's own, which
+    common.engine.offload then counts as the model's). A ChainedOptimizer's parts in turn."""
+    parts = getattr(optimizer, "chained_optimizers", None)
+    if parts:
+        return [tensor for part in parts for tensor in optimizer_tensors(part)]
+    inner = getattr(optimizer, "optimizer", optimizer)  # megatron's wrapper around a torch optimizer
+    state = [value for per_param in inner.state.values() for value in per_param.values() if torch.is_tensor(value)]
+    return state + [p for group in inner.param_groups for p in group["params"]]

@@ -32,6 +32,9 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   forward_backward / step_optimizer / zero_grad, scheduler
                                  the step in pieces, for a host's own loop and loss (verl's slot)
   export_adapter(dir)            a LoRA critic's peft adapter directory
+  offload(model, optimizer, grads) / onload(), offloaded, resident_bytes()
+                                 the critic's state off the compute device between phases, storage
+                                 by storage (common/engine/offload.py), for sharing GPUs with an actor
   data_parallel_ranks, parameter_counts()   what the console reports
   close()                        release it; before the process group is destroyed
 The CriticEngine Protocol below holds the whole surface with its docstrings; the conformance suite
@@ -178,6 +181,29 @@ class CriticEngine(Protocol):
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters of the whole critic (full shapes, not this rank's shards)."""
+        ...
+
+    offloaded: frozenset
+    """What is off the compute device now: a subset of {"model", "grads", "optimizer"} (empty when
+    resident). compute_values needs the model resident, update and the step in pieces all three."""
+
+    def offload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
+        """Collective: free these parts' storages on the compute device (the storage, not a
+        reference), holding their bytes in host memory (pinned on CUDA); a part offloaded already
+        stays so. Nothing onloads silently: a call that needs an offloaded part raises, naming it.
+        save_checkpoint, load_checkpoint, export_hf and export_adapter onload around themselves and
+        offload the same parts again after."""
+        ...
+
+    def onload(self) -> None:
+        """Collective: every offloaded part back, into the same tensors (FSDP's, DTensor's, megatron's
+        and the optimizer's references stay valid), bit for bit; a no-op when resident."""
+        ...
+
+    def resident_bytes(self) -> dict[str, int]:
+        """This rank's bytes of "model", "grads" and "optimizer" on the compute device now (0 for
+        an offloaded part; the model's as the engine holds its parameters now: an FSDP2 module
+        left unsharded by a forward counts its gathered ones until offload reshards it)."""
         ...
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..parallel import packed_attention, ulysses
@@ -50,6 +51,7 @@ from .config import EngineConfig
 from ..parallel.distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
 from . import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
+from .offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from .registry import check_engine_config
 from ..parallel.shard_state import gather_full_state
 from .pipeline import engine_transforms
@@ -60,6 +62,11 @@ from ..valuehead.attention import flash_attention_available
 from ..valuehead.values import compute_bin_logits, compute_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def attention_for(config: EngineConfig, padded: str | None = None) -> str | None:
@@ -85,7 +92,7 @@ def quiet_fsdp_views():
         yield
 
 
-class FSDP2Engine(abc.ABC):
+class FSDP2Engine(Offloadable, abc.ABC):
     backend: str = ""
     """The registry name (checkpoint meta, config checks); set by each subclass."""
 
@@ -138,6 +145,21 @@ class FSDP2Engine(abc.ABC):
     def _release(self) -> None:
         pass
 
+    # -- offload (common.engine.offload): the storages of sharded parameters, gradients, Adam state --
+    def _offload_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        optim = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return {"model": [_local(p) for p in params], "grads": [_local(p.grad) for p in params if p.grad is not None],
+                "optimizer": [_local(v) for v in optim]}
+
+    def _offload_group(self):
+        return self.parallel.world_group
+
+    def _before_offload(self) -> None:
+        for module in self.model.modules():  # unsharded parameters left from a forward are dropped, not kept
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
@@ -167,6 +189,7 @@ class FSDP2Engine(abc.ABC):
 
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
+    @needs_resident("model")
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
@@ -201,6 +224,7 @@ class FSDP2Engine(abc.ABC):
                 (loss * self.shard_size).backward()
         return stats
 
+    @needs_resident(*KINDS)
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns the metrics of
         common.engine.update_step.METRICS over the data-parallel group."""
@@ -217,8 +241,9 @@ class FSDP2Engine(abc.ABC):
         is the engine's). Gradients accumulate
         until step_optimizer. loss_fn None: values only, no graph. Every data-parallel rank calls
         it the same number of times. Returns (values, detached; the loss, detached, or None)."""
-        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
         train = loss_fn is not None
+        require_resident(self, KINDS if train else ("model",), "forward_backward")
+        check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
         self.model.train(train)
         mb = whole_micro_batch(input_ids, attention_mask, self.config.batching, group=self.dp_group)
         with torch.set_grad_enabled(train), self._forward(mb, input_ids.shape[1]) as (rows, raw):
@@ -236,6 +261,7 @@ class FSDP2Engine(abc.ABC):
         """Drop the gradients forward_backward accumulated (step_optimizer does so after stepping)."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    @needs_resident(*KINDS)
     def step_optimizer(self) -> float:
         """Clip (engine.optim.grad_clip) and step on the accumulated gradients, then zero them;
         returns the global gradient norm before clipping. The LR schedule is stepped apart."""
@@ -257,6 +283,7 @@ class FSDP2Engine(abc.ABC):
             return state
         return {key: value for key, value in state.items() if key in trainable}
 
+    @resident_during
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
         """Write a complete checkpoint to `directory` (replacing one there only once the new one is whole)."""
         self._settle()
@@ -270,6 +297,7 @@ class FSDP2Engine(abc.ABC):
                 save_trainer_state(staging, self, extra_state or {})
                 write_meta(staging, self.fingerprint, world_size=self.shard_size, backend=self.backend)
 
+    @resident_during
     def load_checkpoint(self, directory: str) -> dict:
         """Restore model, optimizer, scheduler and the engine's RNG in place; returns the saved extra state."""
         self._settle()
@@ -294,7 +322,7 @@ class FSDP2Engine(abc.ABC):
         """About how many bytes save_checkpoint writes (all ranks): model and optimizer state, plus 1 MiB."""
         tensors = trainable_parameters(self.model)  # what _model_state saves
         tensors += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        shards = [_local(t) for t in tensors]
         local = sum(s.numel() * s.element_size() for s in shards)
         (total,) = all_reduce([float(local)], group=self.shard_group)
         return int(total) + 2**20
@@ -305,6 +333,7 @@ class FSDP2Engine(abc.ABC):
         self._settle()
         return gather_full_state(self.model, group=self.shard_group)
 
+    @resident_during
     def export_hf(self, directory: str) -> None:
         """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
         weights; what transforms added is folded back or dropped: common.engine.transforms)."""
@@ -315,6 +344,7 @@ class FSDP2Engine(abc.ABC):
                 with self._export_config():
                     save_critic(self.model, directory, state_dict=plain, overwrite=True)
 
+    @resident_during
     def export_adapter(self, directory: str) -> None:
         """Write the LoRA adapter and the trained head as a peft adapter directory (common/engine/lora.py),
         which peft.PeftModel.from_pretrained loads onto the base critic; engine.lora.rank must be > 0."""
@@ -343,6 +373,7 @@ class FSDP2Engine(abc.ABC):
     def close(self) -> None:
         """Release the sharded model and optimizer (and the mesh, when the engine built it). Call
         before destroying the process group (common.parallel.distributed.shutdown)."""
+        self._offload_state.drop()
         self.model = self.optimizer = self.scheduler = None
         self.dp_group = self.shard_group = self.sp_group = None  # a closed engine holds no process group
         self._release_all()

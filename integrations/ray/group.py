@@ -208,6 +208,25 @@ class RayCriticGroup:
         """Clip and step every engine on the accumulated gradients; the global gradient norm."""
         return self._call_all("step_optimizer")[0]
 
+    # -- offload between phases (common.engine.offload), every actor's engine together -----------
+    def offload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
+        """Every engine's offload: these parts' device storages freed, held in each actor's host memory."""
+        self._call_all("offload", model, optimizer, grads)
+
+    def onload(self) -> None:
+        """Every engine's onload: what is offloaded back, in place."""
+        self._call_all("onload")
+
+    @property
+    def offloaded(self) -> frozenset:
+        """What the engines hold off their devices (the same on every actor)."""
+        return self._call_all("offloaded")[0]
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of each part on the actors' devices now, all actors together."""
+        per_actor = self._call_all("resident_bytes")
+        return {kind: sum(share[kind] for share in per_actor) for kind in per_actor[0]}
+
     def zero_grad(self) -> None:
         self._call_all("zero_grad")
 

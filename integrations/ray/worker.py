@@ -88,6 +88,18 @@ class CriticWorker:
     def last_lr(self) -> list[float]:
         return self.engine.scheduler.get_last_lr()
 
+    def offload(self, model: bool, optimizer: bool, grads: bool) -> None:
+        self.engine.offload(model=model, optimizer=optimizer, grads=grads)
+
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def offloaded(self) -> frozenset:
+        return self.engine.offloaded
+
+    def resident_bytes(self) -> dict[str, int]:
+        return self.engine.resident_bytes()
+
     def checkpoint_bytes(self) -> int:
         return self.engine.checkpoint_bytes()
 

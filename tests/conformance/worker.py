@@ -228,6 +228,30 @@ def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
     return out
 
 
+def offload_phases(engine, batch: RolloutBatch) -> dict:
+    """offload / onload as a host's phases drive them: the optimizer and gradients off for a
+    rollout (values still computed, an update refused), then the model too (values refused), each
+    twice (the second a no-op), then everything back, bit for bit."""
+    ids, mask = batch.input_ids, batch.attention_mask
+    before = engine.compute_values(ids, mask)
+    resident = engine.resident_bytes()
+    engine.offload(model=False)
+    out = {"rollout_phase": sorted(engine.offloaded), "rollout_bytes": engine.resident_bytes(),
+           "rollout_values_equal": torch.equal(engine.compute_values(ids, mask), before),
+           "update_refused": _outcome(lambda: engine.update(batch))["raised"]}
+    engine.offload()
+    engine.offload()
+    out["offloaded"] = sorted(engine.offloaded)
+    out["offloaded_bytes"] = engine.resident_bytes()
+    out["values_refused"] = _outcome(lambda: engine.compute_values(ids, mask))["raised"]
+    engine.onload()
+    engine.onload()
+    out["after_onload"] = sorted(engine.offloaded)
+    out["resident"] = [resident, engine.resident_bytes()]
+    out["values_equal_after"] = torch.equal(engine.compute_values(ids, mask), before)
+    return out
+
+
 def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a.cpu() - b.cpu()).abs()[mask.bool()].max())
 
@@ -235,8 +259,8 @@ def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 def layout_pass(backend: str, layout: str, dist, export_dir: str, reference: torch.Tensor, workdir: str) -> dict:
     """One engine at `layout`, built from the main pass's export, through every method: its
     coordinates, the export's values, the step in pieces, an update, a save, the next update, a load
-    of that save and the same update again, an export. Every rank passes the same rows (the layout
-    is one data-parallel rank)."""
+    of that save, an offload / onload cycle and the same update again (bit for bit), an export
+    written while offloaded. Every rank passes the same rows (the layout is one data-parallel rank)."""
     engine = build_engine(backend, engine_config(export_dir, ParallelConfig(**LAYOUTS[layout])), dist)
     batch = rollout(0)
     ids, mask = batch.input_ids, batch.attention_mask
@@ -253,10 +277,15 @@ def layout_pass(backend: str, layout: str, dist, export_dir: str, reference: tor
     next_update = engine.update(rollout(4))
     engine.load_checkpoint(saved)
     out["reload_values_diff"] = _masked_diff(engine.compute_values(ids, mask), at_save, mask)
+    engine.offload()
+    engine.onload()
     again = engine.update(rollout(4))
     out["next_update"] = [next_update["value_loss"], next_update["grad_norm"]]
     out["reloaded_update"] = [again["value_loss"], again["grad_norm"]]
+    engine.offload()
     engine.export_hf(os.path.join(workdir, f"hf_export-{layout}"))
+    out["offloaded_after_export"] = sorted(engine.offloaded)
+    engine.onload()
     at_export = engine.compute_values(ids, mask)
     if dist.is_main:
         torch.save(at_export, os.path.join(workdir, f"values-{layout}.pt"))
@@ -283,6 +312,7 @@ def main() -> None:
     out["all_dp_ranks"] = sorted(all_gather_object(engine.dp_rank, group=engine.parallel.world_group))
     out["missing_members"] = [name for name in contract_members() if not hasattr(engine, name)]
     out["pieces"] = step_in_pieces(engine, rollout(dist.rank), workdir)
+    out["offload"] = offload_phases(engine, rollout(dist.rank))
 
     good = os.path.join(workdir, "ckpt")
     engine.update(rollout(dist.rank + 4))  # megatron's optimizer has no state to load before its first step

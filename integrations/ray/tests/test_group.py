@@ -212,6 +212,18 @@ def test_the_group_has_the_whole_contract_and_its_step_in_pieces_is_one_engines(
         assert group.step_optimizer() == 0.0  # the gradients zero_grad dropped are not stepped on
         values_only, no_loss = group.forward_backward(batch.input_ids, batch.attention_mask)
         assert no_loss is None and values_only.shape == batch.input_ids.shape
+        # Between phases: every actor's engine off its device and back, the critic unchanged.
+        resident = group.resident_bytes()
+        group.offload(model=False)
+        assert group.offloaded == {"grads", "optimizer"} and group.resident_bytes()["optimizer"] == 0
+        assert torch.equal(group.compute_values(batch.input_ids, batch.attention_mask), values_only)
+        group.offload()
+        assert group.resident_bytes() == {"model": 0, "grads": 0, "optimizer": 0}
+        with pytest.raises(ValueError, match=r"compute_values: the critic's model is offloaded"):
+            group.compute_values(batch.input_ids, batch.attention_mask)
+        group.onload()
+        assert group.offloaded == set() and group.resident_bytes()["optimizer"] == resident["optimizer"] > 0
+        assert torch.equal(group.compute_values(batch.input_ids, batch.attention_mask), values_only)
     finally:
         engine.close()
 

@@ -1,0 +1,202 @@
+"""An engine's state off its compute device between phases (a critic sharing GPUs with its actor).
+
+`offload()` frees the storages of the model's parameters, the gradients and the optimizer state on
+the compute device (the storage itself is resized to 0 bytes, not a reference dropped) and keeps
+their bytes in host memory (pinned on CUDA); `onload()` puts them back into the same storages. The
+tensor objects never change: FSDP2's sharded parameters, DTensors, megatron's grad buffers and the
+optimizer's state keep pointing at them, so nothing is re-wrapped and the contents come back bit
+for bit. On a CPU machine the same code runs: the engine's storages go to 0 bytes and the host copy
+is a separate allocation.
+
+Nothing onloads silently (two models awake at once is what offloading is for avoiding): a method
+that needs what is offloaded raises, naming it. Checkpoints and exports work in either state: they
+onload around themselves and offload the same parts again after.
+
+An engine mixes in `Offloadable` and implements `_offload_tensors()` and `_offload_group()`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..parallel.distributed import one_outcome
+
+# Each storage is counted under the first of these that holds it (a parameter an optimizer lists
+# is the model's; a mixed-precision optimizer's fp32 copy is the optimizer's).
+KINDS = ("model", "grads", "optimizer")
+
+
+class StorageOffload:
+    """Host copies of storages whose device memory is freed, by kind."""
+
+    def __init__(self):
+        self._held: dict[str, list[tuple[torch.UntypedStorage, torch.UntypedStorage]]] = {}
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    @staticmethod
+    def storages(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.UntypedStorage]]:
+        """Each distinct storage once, under the first kind of KINDS whose tensors use it."""
+        seen: set[int] = set()
+        out: dict[str, list[torch.UntypedStorage]] = {kind: [] for kind in KINDS}
+        for kind in KINDS:
+            for tensor in tensors_by_kind.get(kind, ()):
+                storage = tensor.untyped_storage()
+                if storage._cdata in seen:
+                    continue
+                seen.add(storage._cdata)
+                out[kind].append(storage)
+        return out
+
+    def offload(self, tensors_by_kind: dict[str, list[torch.Tensor]], kinds) -> None:
+        """Free the device storages of `kinds` (those not offloaded yet), keeping host copies."""
+        wanted = [kind for kind in KINDS if kind in kinds and kind not in self._held]
+        if not wanted:
+            return
+        _adopt_fixed_storages(tensors_by_kind, wanted)
+        by_kind = self.storages(tensors_by_kind)
+        for kind in wanted:
+            held = []
+            for storage in by_kind[kind]:
+                if not storage.nbytes():  # freed already (an FSDP2 all-gather buffer after reshard)
+                    continue
+                pin = storage.device.type == "cuda"
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+                host.copy_(storage, non_blocking=pin)
+                held.append((storage, host))
+            if any(storage.device.type == "cuda" for storage, _ in held):
+                torch.cuda.synchronize()  # the host copies are whole before the device storages go
+            for storage, _ in held:
+                storage.resize_(0)
+            self._held[kind] = held
+
+    def onload(self) -> frozenset[str]:
+        """Every offloaded storage back on its device, in place; returns the kinds that came back."""
+        back = self.offloaded
+        for kind in list(self._held):
+            for storage, host in self._held[kind]:
+                storage.resize_(host.nbytes())
+                storage.copy_(host, non_blocking=host.is_pinned())
+            del self._held[kind]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return back
+
+    def drop(self) -> None:
+        """Forget the host copies (the engine is closed)."""
+        self._held.clear()
+
+    @staticmethod
+    def resident_bytes(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+        return {kind: sum(s.nbytes() for s in storages)
+                for kind, storages in StorageOffload.storages(tensors_by_kind).items()}
+
+
+def _adopt_fixed_storages(tensors_by_kind: dict[str, list[torch.Tensor]], kinds) -> int:
+    """Move the tensors of `kinds` whose storage cannot be resized (a checkpoint's memory-mapped
+    weights, which a one-rank engine computes on directly) onto an owned copy of that storage, every
+    tensor that shares it together (tied weights stay tied); returns how many storages moved."""
+    fixed: dict[int, list[torch.Tensor]] = {}
+    for kind in kinds:
+        for tensor in tensors_by_kind.get(kind, ()):
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and not storage.resizable():
+                fixed.setdefault(storage._cdata, []).append(tensor)
+    for kind in KINDS:  # the same storage's tensors under the other kinds move with it
+        for tensor in tensors_by_kind.get(kind, ()):
+            key = tensor.untyped_storage()._cdata
+            if key in fixed and all(t is not tensor for t in fixed[key]):
+                fixed[key].append(tensor)
+    for tensors in fixed.values():
+        old = tensors[0].untyped_storage()
+        owned = torch.empty(old.nbytes(), dtype=torch.uint8, device=old.device).untyped_storage()
+        owned.copy_(old)
+        with torch.no_grad():
+            for tensor in tensors:
+                tensor.set_(owned, tensor.storage_offset(), tensor.size(), tensor.stride())
+    return len(fixed)
+
+
+def require_resident(engine, kinds, what: str) -> None:
+    """ValueError, naming what is offloaded, when any of `kinds` is (never a silent onload)."""
+    missing = sorted(set(kinds) & engine.offloaded)
+    if missing:
+        raise ValueError(f"{what}: the critic's {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         f"offloaded (engine.offloaded = {sorted(engine.offloaded)}); call engine.onload() first")
+
+
+def needs_resident(*kinds: str):
+    """Method decorator: require_resident(kinds) before the call."""
+    def decorate(method):
+        @functools.wraps(method)
+        def checked(self, *args, **kwargs):
+            require_resident(self, kinds, method.__name__)
+            return method(self, *args, **kwargs)
+        return checked
+    return decorate
+
+
+def resident_during(method):
+    """Method decorator: onload what is offloaded for the call, and offload the same parts after."""
+    @functools.wraps(method)
+    def around(self, *args, **kwargs):
+        away = self.offloaded
+        if not away:
+            return method(self, *args, **kwargs)
+        self.onload()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.offload(**{kind: kind in away for kind in KINDS})
+    return around
+
+
+class Offloadable:
+    """offload / onload / offloaded / resident_bytes for an engine (common.engine.CriticEngine)."""
+
+    def _offload_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """{kind: the engine's local tensors of that kind on its compute device} (KINDS)."""
+        raise NotImplementedError
+
+    def _offload_group(self):
+        """The group every rank of the engine is in (offload and onload agree over it)."""
+        raise NotImplementedError
+
+    def _before_offload(self) -> None:
+        """Free what need not be kept before the storages are (FSDP2: unsharded parameters)."""
+
+    @property
+    def _offload_state(self) -> StorageOffload:
+        state = self.__dict__.get("_storage_offload")
+        if state is None:
+            state = self.__dict__["_storage_offload"] = StorageOffload()
+        return state
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        """What is off the compute device now: a subset of {"model", "grads", "optimizer"}."""
+        return self._offload_state.offloaded
+
+    def offload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
+        """Collective: free these parts' device storages, keeping them in host memory (a part
+        offloaded already stays so). model=False (verl's rollout phase) keeps compute_values working."""
+        kinds = {kind for kind, on in (("model", model), ("optimizer", optimizer), ("grads", grads)) if on}
+        with one_outcome("offloading the critic", group=self._offload_group(),
+                         timeout_s=self.config.collective_timeout_s):
+            if "model" in kinds and "model" not in self.offloaded:
+                self._before_offload()
+            self._offload_state.offload(self._offload_tensors(), kinds)
+
+    def onload(self) -> None:
+        """Collective: everything offloaded back on the compute device, in place (a no-op when resident)."""
+        with one_outcome("onloading the critic", group=self._offload_group(),
+                         timeout_s=self.config.collective_timeout_s):
+            self._offload_state.onload()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """This rank's bytes of each part on the compute device now (0 for an offloaded part)."""
+        return self._offload_state.resident_bytes(self._offload_tensors())
