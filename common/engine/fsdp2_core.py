@@ -92,7 +92,7 @@ def quiet_fsdp_views():
         yield
 
 
-class FSDP2Engine(Offloadable, abc.ABC):
+class FSDP2Engine(Offloadable):
     backend: str = ""
     """The registry name (checkpoint meta, config checks); set by each subclass."""
 

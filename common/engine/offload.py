@@ -17,6 +17,7 @@ An engine mixes in `Offloadable` and implements `_offload_tensors()` and `_offlo
 
 from __future__ import annotations
 
+import abc
 import functools
 
 import torch
@@ -155,16 +156,16 @@ def resident_during(method):
     return around
 
 
-class Offloadable:
+class Offloadable(abc.ABC):
     """offload / onload / offloaded / resident_bytes for an engine (common.engine.CriticEngine)."""
 
+    @abc.abstractmethod
     def _offload_tensors(self) -> dict[str, list[torch.Tensor]]:
         """{kind: the engine's local tensors of that kind on its compute device} (KINDS)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _offload_group(self):
         """The group every rank of the engine is in (offload and onload agree over it)."""
-        raise NotImplementedError
 
     def _before_offload(self) -> None:
         """Free what need not be kept before the storages are (FSDP2: unsharded parameters)."""
