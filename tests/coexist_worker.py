@@ -117,7 +117,10 @@ def two_veomni_engines_and_the_hosts_state(config, dist, workdir) -> dict:
     host = veomni_state.init_parallel_state(dp_size=dist.world_size, dp_shard_size=dist.world_size,
                                             dp_mode="fsdp2", device_type="cpu", name=None)
     engine = build_engine("veomni", config, dist)
-    out["engine_shares_hosts_state"] = engine.parallel_state is host
+    # The engine's VeOmni state is its own, made from its mesh; the host's stays VeOmni's ambient one.
+    out["engine_state_from_its_mesh"] = (engine.parallel_state is not host
+                                         and engine.parallel_state.fsdp_group is engine.parallel.shard_group)
+    out["host_state_ambient_beside_the_engine"] = veomni_state.get_parallel_state() is host
     engine.close()
     out["host_state_kept"] = veomni_state.is_parallel_state_initialized() and veomni_state.get_parallel_state() is host
     veomni_state.clear_parallel_state()

@@ -3,10 +3,10 @@
 argv: model_dir batch_file out_dir. Every rank builds the critic's mesh over ranks {2, 3}
 (common.engine.mesh.build_mesh(ranks=...), collective over the world) and the host's own group over
 {0, 1}. Ranks 0 and 1 play the actor: collectives of their own, many of them, while ranks 2 and 3
-run an fsdp critic on its sub-world: values, one update, a checkpoint saved and loaded back, an
-export. A collective of the critic on the default group would wait for ranks 0 and 1 forever; the
-world's timeout (120 s) turns that into a failure. Ranks 2 and 3 also record what megatron and
-VeOmni say to a sub-world mesh. Each rank writes out_dir/rank<r>.pt.
+run an fsdp critic, then a VeOmni one, on its sub-world: values, one update, a checkpoint saved and
+loaded back, an export. A collective of the critic on the default group would wait for ranks 0 and
+1 forever; the world's timeout (120 s) turns that into a failure. Ranks 2 and 3 also record what
+megatron says to a sub-world mesh. Each rank writes out_dir/rank<r>.pt.
 """
 
 import datetime
@@ -24,11 +24,31 @@ from critic_adapters.common.engine.mesh import build_mesh
 from critic_adapters.common.tests.helpers import FIELDS
 
 CRITIC_RANKS = [2, 3]
+SUB_WORLD_BACKENDS = ("fsdp", "veomni")
 
 
 def engine_config(model_dir: str) -> EngineConfig:
     return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, grad_clip=1.0),
                         loss=LossConfig(clip_range=None), batching=BatchingConfig(micro_batch_tokens=64))
+
+
+def critic_run(backend: str, config, dist, mesh, batch_file: str, out_dir: str) -> dict:
+    """Values, one update, a checkpoint saved and loaded back, an export, on the sub-world."""
+    engine = build_engine(backend, config, dist, mesh=mesh)
+    data = torch.load(batch_file)
+    mine = torch.arange(engine.dp_rank, data["input_ids"].shape[0], engine.dp_size)
+    batch = RolloutBatch(*(data[k][mine] for k in FIELDS))
+    out = {"rows": mine, "dp": (engine.dp_rank, engine.dp_size, torch_dist.get_world_size(engine.parallel.world_group))}
+    out["values_before"] = engine.compute_values(batch.input_ids, batch.attention_mask)
+    out["metrics"] = engine.update(batch)
+    out["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask)
+    engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
+    engine.export_hf(os.path.join(out_dir, "export"))
+    engine.update(batch)  # moves the weights on; the checkpoint brings them back
+    engine.load_checkpoint(os.path.join(out_dir, "checkpoint"))
+    out["values_loaded"] = engine.compute_values(batch.input_ids, batch.attention_mask)
+    engine.close()
+    return out
 
 
 def main() -> None:
@@ -48,27 +68,12 @@ def main() -> None:
             total += step
         out["actor_sum"] = float(total)
     else:
-        out["refused"] = {}
-        for backend in ("megatron", "veomni"):
-            try:
-                build_engine(backend, config, dist, mesh=critic_mesh).close()
-            except ValueError as err:
-                out["refused"][backend] = str(err)
-        engine = build_engine("fsdp", config, dist, mesh=critic_mesh)
-        data = torch.load(batch_file)
-        mine = torch.arange(engine.dp_rank, data["input_ids"].shape[0], engine.dp_size)
-        batch = RolloutBatch(*(data[k][mine] for k in FIELDS))
-        out["rows"] = mine
-        out["dp"] = (engine.dp_rank, engine.dp_size, torch_dist.get_world_size(engine.parallel.world_group))
-        out["values_before"] = engine.compute_values(batch.input_ids, batch.attention_mask)
-        out["metrics"] = engine.update(batch)
-        out["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask)
-        engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
-        engine.export_hf(os.path.join(out_dir, "export"))
-        engine.update(batch)  # moves the weights on; the checkpoint brings them back
-        engine.load_checkpoint(os.path.join(out_dir, "checkpoint"))
-        out["values_loaded"] = engine.compute_values(batch.input_ids, batch.attention_mask)
-        engine.close()
+        try:
+            build_engine("megatron", config, dist, mesh=critic_mesh).close()
+        except ValueError as err:
+            out["refused"] = {"megatron": str(err)}
+        for backend in SUB_WORLD_BACKENDS:
+            out[backend] = critic_run(backend, config, dist, critic_mesh, batch_file, os.path.join(out_dir, backend))
     torch.save(out, os.path.join(out_dir, f"rank{dist.rank}.pt"))
     shutdown()
 

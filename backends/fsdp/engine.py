@@ -21,7 +21,7 @@ from ...common.engine.fsdp2_core import DTYPES, FSDP2Engine, attention_for
 from ...common.engine.mesh import ParallelMesh, build_mesh
 from ...common.engine.schedule import build_scheduler
 from ...common.engine.pipeline import engine_transforms
-from ...common.engine.transforms import apply_transforms, trainable_parameters
+from ...common.engine.transforms import trainable_parameters
 
 
 class FSDPCriticEngine(FSDP2Engine):
@@ -45,7 +45,7 @@ class FSDPCriticEngine(FSDP2Engine):
             load_kwargs=dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
                              fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
                              value_head=config.loss.support, init_from_scalar_head=model_cfg.init_from_scalar_head),
-            transform=lambda critic: apply_transforms(critic, engine_transforms(config)),
+            transforms=engine_transforms(config),
             parallelize=lambda critic, mesh: parallelize_critic(
                 critic, mesh, mixed_precision=config.mixed_precision,
                 gradient_checkpointing=config.gradient_checkpointing, cpu_offload=cpu_offload),

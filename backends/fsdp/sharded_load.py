@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...common.parallel.distributed import broadcast_object
 from ...common.engine.mesh import ParallelMesh
-from ...common.parallel.shard_state import broadcast_state_into
+from ...common.engine.pipeline import build_sharded
+from ...common.engine.transforms import apply_transforms
 from ...common.valuehead import LoadReport, load_critic
 from ...common.valuehead.config import DECLARED_HEAD, critic_class, install_value_head
 from ...common.valuehead.load import plan_load
@@ -38,48 +38,30 @@ def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | No
     return install_value_head(model)
 
 
-def _fsdp_device_mesh(mesh: ParallelMesh, device_type: str) -> DeviceMesh:
-    """The DeviceMesh FSDP shards over: the mesh's shard dimension (dp, times the Ulysses degree)."""
-    if mesh.shard_device_mesh is not None:
-        return mesh.shard_device_mesh
-    return DeviceMesh.from_group(mesh.shard_group, device_type)
-
-
 def load_sharded_critic(
     path: str,
     *,
     dtype: torch.dtype,
     attn_implementation: str | None,
     load_kwargs: dict,
-    transform: Callable[[torch.nn.Module], torch.nn.Module],
+    transforms: list,
     parallelize: Callable[[torch.nn.Module, DeviceMesh], torch.nn.Module],
     device: torch.device,
     mesh: ParallelMesh,
 ) -> tuple[torch.nn.Module, LoadReport]:
     """(the transformed, parallelised critic on `device`, rank 0's load report) on every rank of the
     mesh's shard group (its data-parallel ranks, times the Ulysses degree)."""
-    dp_group = mesh.shard_group
-    rank = mesh.shard_rank
-    fsdp_mesh = _fsdp_device_mesh(mesh, device.type)
+    fsdp_mesh = mesh.fsdp_device_mesh(device.type)
     if mesh.shard_size == 1:
         model, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
-        return parallelize(transform(model.to(device)), fsdp_mesh), report
-
-    full_state, report = None, None
-    if rank == 0:
-        loaded, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
-        loaded = transform(loaded)
-        full_state = dict(loaded.named_parameters(remove_duplicate=False))
-        full_state.update(loaded.named_buffers(remove_duplicate=False))  # non-persistent ones too (rotary inv_freq)
-        del loaded
-    report = broadcast_object(report, group=dp_group)
-    # Build the same tree everywhere (rank 0 too: its loaded copy is dropped once broadcast).
-    model = transform(_meta_critic(path, dtype=dtype, attn_implementation=report.attn_implementation,
-                                   trust_remote_code=load_kwargs.get("trust_remote_code", False),
-                                   head_prefix=load_kwargs.get("head_prefix"),
-                                   value_head=load_kwargs.get("value_head", DECLARED_HEAD)))
-    model = parallelize(model, fsdp_mesh)
-    model.to_empty(device=device)
-    broadcast_state_into(model, full_state, group=dp_group)
-    del full_state
+        return parallelize(apply_transforms(model.to(device), transforms), fsdp_mesh), report
+    model, report = build_sharded(
+        path, shard_group=mesh.shard_group, shard_rank=mesh.shard_rank, device=device, dtype=dtype,
+        attn_implementation=attn_implementation, load_kwargs=load_kwargs, transforms=transforms,
+        # The same tree everywhere (rank 0 too: its loaded copy is dropped once broadcast).
+        build_tree=lambda report: _meta_critic(path, dtype=dtype, attn_implementation=report.attn_implementation,
+                                               trust_remote_code=load_kwargs.get("trust_remote_code", False),
+                                               head_prefix=load_kwargs.get("head_prefix"),
+                                               value_head=load_kwargs.get("value_head", DECLARED_HEAD)),
+        parallelize=lambda model: parallelize(model, fsdp_mesh))
     return model.eval(), report

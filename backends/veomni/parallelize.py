@@ -1,7 +1,8 @@
-"""VeOmni's parallel state, FSDP2 parallelisation, optimizer and LR schedule for the critic.
+"""VeOmni's FSDP2 parallelisation, optimizer and LR schedule for the critic.
 
 The one boundary between our EngineConfig and VeOmni's arguments: every VeOmni builder the engine
-uses is called from here, with arguments translated from common.engine.config.
+uses is called from here, with arguments translated from common.engine.config. VeOmni's parallel
+state is made from the engine's mesh (mesh_state.py), never by VeOmni's init_parallel_state.
 """
 
 from __future__ import annotations
@@ -12,42 +13,6 @@ import torch
 
 from . import compat
 from ...common.engine.config import EngineConfig, OptimConfig
-
-# Our VeOmni engines alive in this process, and whether VeOmni's state existed before the first.
-_USAGE = {"engines": 0, "found_state": False}
-
-
-def init_parallel_state(world_size: int, ulysses: int):
-    """VeOmni's device mesh: data parallel (FSDP2 shards over it) x Ulysses; returns the state.
-
-    VeOmni keeps it in a process global (the "ambient" state its builders read) and caches it by
-    topology, so an engine built while another of ours, or the host, holds a state of the same
-    topology shares it; the engine makes its own ambient around every VeOmni call
-    (`use_parallel_state`). Every call needs its release_parallel_state().
-    """
-    from veomni.distributed import parallel_state
-
-    if _USAGE["engines"] == 0:
-        _USAGE["found_state"] = parallel_state.is_parallel_state_initialized()
-    dp_size = world_size // ulysses
-    device_type = "cpu" if compat.cpu_mode() else None  # None: VeOmni's get_device_type()
-    state = parallel_state.init_parallel_state(
-        dp_size=dp_size, dp_replicate_size=1, dp_shard_size=dp_size, ulysses_size=ulysses, dp_mode="fsdp2",
-        device_type=device_type, name=None)
-    _USAGE["engines"] += 1
-    return state
-
-
-def release_parallel_state() -> None:
-    """One engine is done with VeOmni's parallel state. The last one forgets VeOmni's states (its
-    ambient global, topology cache and registry), so that no later engine reuses a device mesh of a
-    process group about to be destroyed, unless the host had a state before our first engine: then
-    it is the host's to clear, and stays."""
-    from veomni.distributed import parallel_state
-
-    _USAGE["engines"] = max(0, _USAGE["engines"] - 1)
-    if _USAGE["engines"] == 0 and not _USAGE["found_state"]:
-        parallel_state.clear_parallel_state()
 
 
 def mixed_precision_config(config: EngineConfig):
@@ -62,10 +27,11 @@ def mixed_precision_config(config: EngineConfig):
     return MixedPrecisionConfig(enable=False)
 
 
-def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool, weights_path: str | None):
-    """FSDP2 through VeOmni's build_parallelize_model (the model is on meta and its weights are read
-    by rank 0 from `weights_path`, then broadcast into every rank's shards); with one data-parallel
-    rank, VeOmni's own FSDP-off path, or compat's on CPU."""
+def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
+    """FSDP2 through VeOmni's build_parallelize_model over the ambient parallel state's shard mesh
+    (mesh_state.py). The model is on meta: VeOmni materialises each rank's shards (initialised at
+    random; the engine then fills them from the loaded critic); with one data-parallel rank,
+    VeOmni's own FSDP-off path, or compat's on CPU."""
     from veomni.distributed.torch_parallelize import build_parallelize_model
 
     offload = config.cpu_offload
@@ -88,8 +54,7 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool, wei
     return build_parallelize_model(
         model,
         init_device="meta",
-        weights_path=weights_path,
-        broadcast_model_weights_from_rank0=True,
+        weights_path=None,
         mixed_precision=mixed_precision_config(config),
         enable_gradient_checkpointing=config.gradient_checkpointing,
         enable_reentrant=False,

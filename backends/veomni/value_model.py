@@ -1,9 +1,9 @@
-"""The critic built by VeOmni: config from the shared hook, weights in the TokenCls layout, and a
-guarded dispatch that cannot silently yield a causal LM.
+"""The critic built by VeOmni: config from the shared hook, weights filled by the engine from the
+loaded critic (by HF parameter name), and a guarded dispatch that cannot silently yield a causal LM.
 
-  any checkpoint load_critic reads --load_critic + save_critic (rank 0)--> TokenCls directory
   common.valuehead.critic_config --> build_foundation_model (VeOmni's registry picks the class)
-  --> check_critic_form: the class, no lm_head, a [1, H] head, nothing on meta, [B, T, 1] on a probe
+  --> check_class: the class, no lm_head, a [1, H] head; after the weights are in: nothing on
+  meta, [B, T, 1] on a probe
 
 VeOmni builds a model from `config.architectures` through a per-family registry function. Its
 fallback for an architecture it does not recognise is the family's *ForCausalLM (0.1.12's
@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-from collections.abc import Callable
 
 import torch
 
 from ...common.parallel import ulysses
 from ...common.parallel.batching import pack
 from ...common.parallel.packed_attention import sequence_bounds
-from ...common.valuehead import LoadReport, load_critic, save_critic
 from ...common.valuehead.config import architecture_name, head_name
 
 VEOMNI_REQUIREMENT = "veomni==0.1.12"
@@ -55,47 +52,6 @@ def check_family_registered(config) -> None:
         f"{', '.join(sorted(MODELING_REGISTRY.valid_keys()))}). Run with the environment variable "
         f"MODELING_BACKEND=hf to build it from transformers' classes through VeOmni (set it yourself: VeOmni "
         f"reads it process-wide, so the engine does not), or use backend=fsdp for this family")
-
-
-def write_token_classification_weights(path: str, out_dir: str, *, load_kwargs: dict,
-                                       transform: Callable[[torch.nn.Module], torch.nn.Module] | None = None
-                                       ) -> LoadReport:
-    """Any checkpoint load_critic reads -> `out_dir` in the HF *ForTokenClassification layout (fp32),
-    which VeOmni's loader reads by parameter name. Returns load_critic's report.
-
-    `transform`: the critic is rewritten by it first and written under the rewritten names (LoRA's
-    `q_proj.base_layer.weight`, `q_proj.lora_A.default.weight`, ...): VeOmni fills a sharded meta
-    tree by name, and it initialises any parameter the file does not name at random, silently."""
-    critic, report = load_critic(path, torch_dtype=torch.float32, **load_kwargs)
-    if transform is None:
-        save_critic(critic, out_dir, overwrite=True)
-    else:
-        from safetensors.torch import save_file
-
-        transform(critic)
-        os.makedirs(out_dir, exist_ok=True)
-        state = {key: value.detach().contiguous() for key, value in critic.state_dict().items()}
-        save_file(state, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
-    del critic
-    return report
-
-
-WEIGHTS_FILE = "model.safetensors"
-
-
-def check_weights_cover(model: torch.nn.Module, weights_dir: str) -> str | None:
-    """None when the weights file in `weights_dir` names exactly the (meta) critic's state, else what
-    differs: VeOmni would initialise a parameter the file lacks at random and only log one it does not expect."""
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(weights_dir, WEIGHTS_FILE), "pt") as f:  # headers only
-        written = set(f.keys())
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - written), sorted(written - expected)
-    if not missing and not unexpected:
-        return None
-    return (f"the critic VeOmni builds does not match the weights written for it (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}): a transform built a different module tree on this rank than on rank 0")
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,
@@ -197,10 +153,3 @@ def without_veomni_fields(config):
     finally:
         for name, value in saved.items():
             setattr(config, name, value)
-
-
-def remove_dir(path: str) -> None:
-    import shutil
-
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)

@@ -7,10 +7,11 @@ engine.parallel fields that set their degrees (ParallelConfig); megatron's `sequ
 switch of the tensor dimension, not a dimension. Use the constants below, never the strings.
 
 `build_mesh(parallel, dist, ranks=None)` makes one over every rank of the default group, or over a
-sub-world a host gives the critic (ranks 2 and 3 of 4): the fsdp engine builds it when none is
-passed in, or runs on the one passed in. megatron and VeOmni wrap the groups their libraries create
-over the default group (`ParallelMesh.from_groups`; megatron-core's parallel_state and VeOmni's
-parallel state are process-wide) and refuse a sub-world mesh by name. Every collective of the
+sub-world a host gives the critic (ranks 2 and 3 of 4): the fsdp and VeOmni engines build it when
+none is passed in, or run on the one passed in (VeOmni's parallel state is made from it:
+backends/veomni/mesh_state.py). megatron wraps the groups megatron-core creates over the default
+group (`ParallelMesh.from_groups`; its parallel_state is process-wide) and refuses a sub-world mesh
+by name. Every collective of the
 engines names its group (common.parallel.distributed refuses one without a group where others would wait):
 loading, DCP, loss normalisation and metric reductions use `dp_group` or `shard_group`;
 collectives that every rank of the engine joins use `world_group`.
@@ -99,6 +100,15 @@ class ParallelMesh:
     def world_size(self) -> int:
         return _product(self.sizes.values())
 
+    def fsdp_device_mesh(self, device_type: str):
+        """shard_group as the 1-D DeviceMesh FSDP2 shards over: the one build_mesh made, or one over
+        the group a host's mesh holds (DeviceMesh.from_group creates no group)."""
+        if self.shard_device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.shard_device_mesh = DeviceMesh.from_group(self.shard_group, device_type)
+        return self.shard_device_mesh
+
     def degrees(self) -> dict[str, int]:
         """{config field: degree} of the model-parallel dimensions, e.g. {"tensor": 2, ...}."""
         return {dim: self.sizes[dim] for dim in MODEL_PARALLEL_DIMS}
@@ -144,7 +154,7 @@ def check_spans_world(mesh: ParallelMesh, *, who: str, why: str) -> None:
     world = torch_dist.get_world_size()
     if mesh.world_size != world:
         raise ValueError(f"{who} runs on every process ({why}): the mesh passed in has {mesh.world_size} of the "
-                         f"{world} ranks; give this backend the whole world, or use backend fsdp on a sub-world")
+                         f"{world} ranks; give this backend the whole world, or use backend fsdp or veomni on a sub-world")
 
 
 def _product(values) -> int:
