@@ -6,7 +6,9 @@ argv: model_dir batch_file out_dir. Every rank builds the critic's mesh over ran
 run an fsdp critic, then a VeOmni one, on its sub-world: values, one update, a checkpoint saved and
 loaded back, an export. A collective of the critic on the default group would wait for ranks 0 and
 1 forever; the world's timeout (120 s) turns that into a failure. Ranks 2 and 3 also record what
-megatron says to a sub-world mesh. Each rank writes out_dir/rank<r>.pt.
+megatron says to a sub-world mesh. Then all four ranks compare megatron's parallel_state set from
+a mesh (build_mesh(..., backend="megatron")) with megatron-core's own initialize_model_parallel at
+several 4-rank layouts. Each rank writes out_dir/rank<r>.pt.
 """
 
 import datetime
@@ -51,6 +53,47 @@ def critic_run(backend: str, config, dist, mesh, batch_file: str, out_dir: str) 
     return out
 
 
+# megatron layouts at 4 ranks whose parallel_state the mesh must build exactly as megatron-core does.
+MEGATRON_LAYOUTS = ({"tensor": 2, "pipeline": 2}, {"tensor": 2, "context": 2}, {"pipeline": 2, "context": 2},
+                    {"tensor": 2}, {"pipeline": 2}, {"context": 2}, {})
+
+
+def megatron_state_snapshot() -> dict:
+    """Every parallel_state global the mesh sets, as rank lists (a group: its ranks)."""
+    from megatron.core import parallel_state
+
+    from critic_adapters.backends.megatron import parallelize
+
+    out = {}
+    for name in (*parallelize._GROUP_GLOBALS, "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
+        value = getattr(parallel_state, name)
+        out[name] = (sorted(torch_dist.get_process_group_ranks(value)) if isinstance(value, torch_dist.ProcessGroup)
+                     else value)
+    return out
+
+
+def megatron_groups_from_the_mesh_vs_megatrons_own(dist) -> dict:
+    """{layout: (parallel_state set from build_mesh(..., backend="megatron"), megatron-core's own
+    initialize_model_parallel)} on every rank of the world."""
+    from megatron.core import parallel_state
+
+    from critic_adapters.backends.megatron import parallelize
+
+    out = {}
+    for layout in MEGATRON_LAYOUTS:
+        mesh = build_mesh(ParallelConfig(**layout), dist, backend="megatron")
+        parallelize._adopt(mesh)
+        ours = megatron_state_snapshot()
+        parallelize._unadopt()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.get("tensor", 1),
+                                                 pipeline_model_parallel_size=layout.get("pipeline", 1),
+                                                 context_parallel_size=layout.get("context", 1))
+        theirs = megatron_state_snapshot()
+        parallel_state.destroy_model_parallel()
+        out[str(layout)] = (ours, theirs)
+    return out
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     model_dir, batch_file, out_dir = sys.argv[1:4]
@@ -74,6 +117,7 @@ def main() -> None:
             out["refused"] = {"megatron": str(err)}
         for backend in SUB_WORLD_BACKENDS:
             out[backend] = critic_run(backend, config, dist, critic_mesh, batch_file, os.path.join(out_dir, backend))
+    out["megatron_groups"] = megatron_groups_from_the_mesh_vs_megatrons_own(dist)
     torch.save(out, os.path.join(out_dir, f"rank{dist.rank}.pt"))
     shutdown()
 

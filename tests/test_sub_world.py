@@ -78,9 +78,20 @@ def test_the_checkpoint_and_the_export_hold_the_updated_critic(run, backend):
 def test_megatron_refuses_a_sub_world_by_name(run):
     for result in run["ranks"][2:]:
         refused = result["refused"]
-        assert "the megatron engine runs on every process (megatron-core's parallel_state spans the default " \
-               "group): the mesh passed in has 2 of the 4 ranks" in refused["megatron"], refused
+        assert "the megatron engine runs on every process (megatron-core's dist_checkpointing gathers over the " \
+               "default group and writes on global rank 0): the mesh passed in has 2 of the 4 ranks" \
+               in refused["megatron"], refused
         assert "use backend fsdp or veomni on a sub-world" in refused["megatron"], refused
+
+
+def test_megatrons_groups_made_from_the_mesh_are_the_ones_megatron_core_makes(run):
+    """parallel_state set from build_mesh(..., backend="megatron") equals megatron-core's own
+    initialize_model_parallel, every global on every rank, at each 4-rank layout."""
+    for result in run["ranks"]:
+        for layout, (ours, theirs) in result["megatron_groups"].items():
+            differ = {name: (ours[name], theirs[name]) for name in theirs if ours[name] != theirs[name]}
+            assert not differ, (layout, differ)
+            assert ours["_TENSOR_MODEL_PARALLEL_GROUP"] is not None
 
 
 if __name__ == "__main__":

@@ -49,14 +49,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class MegatronCriticEngine(Offloadable):
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
-        """`mesh`: accepted when its degrees are the config's and it spans every process: megatron-core
-        0.16's parallel_state (which its optimizer, schedules and dist_checkpointing read) is built
-        over the default group, so the engine runs on those groups and `self.parallel` wraps them."""
+        """`mesh`: the engine's mesh, built with common.engine.mesh.build_mesh(engine.parallel, dist,
+        backend="megatron") (which makes megatron-core's groups with it); its groups become
+        megatron's parallel_state (parallelize.init_model_parallel). None: the engine builds one
+        over every process, or runs on the parallel_state a host or another engine set up. The mesh
+        must span every process: megatron-core 0.16's dist_checkpointing gathers its metadata over
+        the default group and writes it on global rank 0 (dist_checkpointing/validation.py,
+        serialization.py), so checkpoints would wait on ranks outside a sub-world."""
         check_engine_config("megatron", config)
         if mesh is not None:
             mesh.check_matches(config.parallel, who="the megatron engine")
             check_spans_world(mesh, who="the megatron engine",
-                              why="megatron-core's parallel_state spans the default group")
+                              why="megatron-core's dist_checkpointing gathers over the default group and writes "
+                                  "on global rank 0")
         self.config = config
         self.dist = dist
         model_cfg = config.model
@@ -89,11 +94,12 @@ class MegatronCriticEngine(Offloadable):
         self._counts = (sum(p.numel() for p in critic.parameters() if p.requires_grad),
                         sum(p.numel() for p in critic.parameters()))
 
-        parallelize.init_model_parallel(config.parallel, config.seed, config.collective_timeout_s)
+        self.parallel, self._owns_mesh = parallelize.init_model_parallel(
+            config.parallel, config.seed, config.collective_timeout_s, dist, mesh)
         try:
             self._build(critic, config, dist)
         except BaseException:
-            parallelize.release_model_parallel()
+            self._release_mesh()
             raise
 
     def _build(self, critic, config: EngineConfig, dist: DistContext) -> None:
@@ -102,7 +108,6 @@ class MegatronCriticEngine(Offloadable):
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.cp_rank = parallel_state.get_context_parallel_rank()
-        self.parallel = parallelize.megatron_mesh(config.parallel, dist.world_size)
         self.dp_rank, self.dp_size, self.dp_group = self.parallel.dp_rank, self.parallel.dp_size, self.parallel.dp_group
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
@@ -388,5 +393,11 @@ class MegatronCriticEngine(Offloadable):
         # keeps the whole closed model (and its context-parallel group) alive.
         RotaryEmbedding.forward.cache_clear()
         gc.collect()
-        self.parallel.release()
+        self._release_mesh()
+
+    def _release_mesh(self) -> None:
+        """megatron's state given back (parallelize.release_model_parallel), then the mesh's groups
+        forgotten when the engine built the mesh (a host's mesh stays the host's)."""
         parallelize.release_model_parallel()
+        if self._owns_mesh:
+            self.parallel.release()

@@ -1,9 +1,10 @@
 """Megatron's process groups, the DDP wrapper and the optimizer, in the order the engine needs them.
 
-  1. init_model_parallel / release_model_parallel: megatron's tensor / pipeline / context / data groups
-     (module globals in megatron.core.parallel_state) inside the default process group, reused
-     when another engine or the host made them with the same degrees, and the model-parallel RNG
-     tracker (the CPU one from compat.py without CUDA); the last release restores what was there.
+  1. init_model_parallel / release_model_parallel: megatron's groups (module globals in
+     megatron.core.parallel_state) set from the engine's mesh (build_mesh(..., backend="megatron")
+     makes megatron's groups with it: mesh_groups.py), reused when another engine or the host
+     set them with the same degrees, and the model-parallel RNG tracker (the CPU one from
+     compat.py without CUDA); the last release restores what was there.
   2. wrap_ddp: megatron's DistributedDataParallel (grad buffers, the data-parallel all-reduce that
      finalize_model_grads runs, plus the tensor-parallel all-reduce of sequence-parallel norms).
      Its all-reduce spans data x context parallel and averages (1 / (dp * cp)): each context-parallel
@@ -25,7 +26,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from . import compat
 from ...common.engine.config import OptimConfig, ParallelConfig
-from ...common.engine.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ParallelMesh, mesh_sizes
+from ...common.engine.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ParallelMesh, build_mesh
+from ...common.parallel.distributed import groups_time_out_after
 
 # Clipping off still needs the norm for the metrics: clip at a bound no norm reaches.
 _NO_CLIP = 1.0e30
@@ -42,8 +44,9 @@ class _Usage:
 
     engines: int = 0
     """Our megatron engines alive in this process."""
-    created_groups: bool = False
-    """We initialised megatron's groups (else the host did, and they stay after our last close)."""
+    adopted: ParallelMesh | None = None
+    """The mesh whose groups we set as parallel_state's (else the host set them, and they stay
+    after our last close)."""
     environ: dict = dataclasses.field(default_factory=dict)
     """NVTE_VARIABLES as they were before the first engine was built."""
     rng_tracker: tuple | None = None
@@ -59,26 +62,88 @@ def _check_same_layout(parallel: ParallelConfig) -> None:
                 "context": parallel_state.get_context_parallel_world_size()}
     wanted = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "context": parallel.context}
     if existing != wanted:
-        owner = "another megatron engine" if _USAGE.created_groups else "the host"
+        owner = "another megatron engine" if _USAGE.adopted is not None else "the host"
         raise ValueError(f"megatron's process groups in this process ({owner}'s) have {existing}, engine.parallel asks "
                          f"for {wanted}: megatron keeps one layout per process; use the same degrees, or close "
                          f"{owner}'s groups first")
 
 
-def init_model_parallel(parallel: ParallelConfig, seed: int, timeout_s: float) -> None:
-    """Megatron's groups in the (already initialised) default process group: created, or reused when
-    they exist with the same degrees (another engine's or the host's); its RNG tracker seeded."""
+# parallel_state's globals, each set from one of the mesh's library groups (backends/megatron/mesh_groups.py);
+# a name ending in _GLOBAL_RANKS (or _RANKS) gets that group's ranks. Groups of a rank outside them stay None.
+_GROUP_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tensor", "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tensor",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pipeline", "_PIPELINE_GLOBAL_RANKS": "pipeline",
+    "_MODEL_PARALLEL_GROUP": "model", "_MODEL_PARALLEL_GLOBAL_RANKS": "model",
+    "_EMBEDDING_GROUP": "embedding", "_EMBEDDING_GLOBAL_RANKS": "embedding",
+    "_POSITION_EMBEDDING_GROUP": "position_embedding", "_POSITION_EMBEDDING_GLOBAL_RANKS": "position_embedding",
+    "_DATA_PARALLEL_GROUP": "data", "_DATA_PARALLEL_GROUP_GLOO": "data_gloo", "_DATA_PARALLEL_GLOBAL_RANKS": "data",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "data_context", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "data_context_gloo",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "data_context",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "data_context",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "data_context_gloo",
+    "_CONTEXT_PARALLEL_GROUP": "context", "_CONTEXT_PARALLEL_GLOBAL_RANKS": "context",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tensor_data", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tensor_data_context",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tensor_context",
+    # Expert parallel 1, expert tensor parallel = tensor parallel: the dense groups.
+    "_EXPERT_MODEL_PARALLEL_GROUP": "one_rank", "_EXPERT_MODEL_PARALLEL_RANKS": "one_rank",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "tensor", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tensor",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "model",
+    "_EXPERT_DATA_PARALLEL_GROUP": "data_context", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "data_context_gloo",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "data_context",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "data_context_gloo",
+}
+
+
+def _adopt(mesh: ParallelMesh) -> None:
+    """Set megatron's parallel_state from the mesh's groups (megatron's initialize_model_parallel,
+    with the groups made by build_mesh instead)."""
+    missing = sorted(set(_GROUP_GLOBALS.values()) - set(mesh.library_groups))
+    if missing:
+        raise ValueError(f"the mesh passed to the megatron engine lacks megatron's groups {missing}: build it with "
+                         f"common.engine.mesh.build_mesh(engine.parallel, dist, backend='megatron')")
+    for name, key in _GROUP_GLOBALS.items():
+        group = mesh.library_groups[key]
+        if name.endswith("RANKS"):
+            value = None if group is None else torch.distributed.get_process_group_ranks(group)
+        else:
+            value = group
+        setattr(parallel_state, name, value)
+    # One distributed-optimizer instance: its instance group is every rank of the engine.
+    parallel_state._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = mesh.world_group
+    parallel_state._set_global_memory_buffer()
+
+
+def _unadopt() -> None:
+    for name in (*_GROUP_GLOBALS, "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
+        setattr(parallel_state, name, None)
+    parallel_state.destroy_global_memory_buffer()
+
+
+def init_model_parallel(parallel: ParallelConfig, seed: int, timeout_s: float, dist,
+                        mesh: ParallelMesh | None) -> tuple[ParallelMesh, bool]:
+    """(the engine's mesh, whether the engine owns it). megatron's groups come from the mesh: the one
+    passed in (build_mesh(..., backend="megatron")), else one built now over every process; its
+    groups become parallel_state's. When parallel_state is set already (another of our engines, or
+    the host with its own initialize_model_parallel) and no mesh is passed, the engine runs on those
+    groups (same degrees, or a ValueError naming both). Then megatron's RNG tracker is seeded."""
     assert torch.distributed.is_initialized(), "init the default process group first (common.parallel.distributed)"
     from megatron.core.tensor_parallel import random as mp_random
 
+    owned = False
     if parallel_state.model_parallel_is_initialized():
+        if mesh is not None and mesh is not _USAGE.adopted:
+            owner = "another megatron engine" if _USAGE.adopted is not None else "the host"
+            raise ValueError(f"megatron's process groups in this process are {owner}'s already: build the engine "
+                             f"without mesh= to run on them, or close {owner}'s groups first")
         _check_same_layout(parallel)
+        world_group = _USAGE.adopted.world_group if _USAGE.adopted is not None else None
+        mesh, owned = megatron_mesh(parallel, world_group), True
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor,
-                                                 pipeline_model_parallel_size=parallel.pipeline,
-                                                 context_parallel_size=parallel.context,
-                                                 distributed_timeout_minutes=timeout_s / 60)
-        _USAGE.created_groups = True
+        if mesh is None:
+            with groups_time_out_after(timeout_s):
+                mesh, owned = build_mesh(parallel, dist, backend="megatron"), True
+        _adopt(mesh)
+        _USAGE.adopted = mesh
         if not compat.cpu_mode():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
     if _USAGE.engines == 0:
@@ -88,11 +153,13 @@ def init_model_parallel(parallel: ParallelConfig, seed: int, timeout_s: float) -
             compat.seed_model_parallel_rng(seed)
     _USAGE.engines += 1
     compat.enable_cpu_shims()
+    return mesh, owned
 
 
 def release_model_parallel() -> None:
-    """One engine is done with megatron's state; the last one puts back what the first found (the
-    groups are destroyed only when we created them, the shims, the RNG tracker, the environment)."""
+    """One engine is done with megatron's state; the last one puts back what the first found
+    (parallel_state emptied when its groups were a mesh's we adopted; the shims, the RNG tracker,
+    the environment)."""
     from megatron.core.tensor_parallel import random as mp_random
 
     assert _USAGE.engines > 0, "release_model_parallel without init_model_parallel"
@@ -108,31 +175,23 @@ def release_model_parallel() -> None:
     if _USAGE.rng_tracker is not None:
         mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _USAGE.rng_tracker
         _USAGE.rng_tracker = None
-    if _USAGE.created_groups:
-        parallel_state.destroy_model_parallel()
-        _forget_leftover_groups()
-        _USAGE.created_groups = False
+    if _USAGE.adopted is not None:
+        _unadopt()
+        _USAGE.adopted = None
 
 
-def _forget_leftover_groups() -> None:
-    """megatron-core 0.16.1's destroy_model_parallel leaves a few groups in parallel_state's module
-    globals (e.g. _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP); a group still referenced keeps its
-    gloo threads running past destroy_process_group (common.parallel.distributed.shutdown)."""
-    for name, value in list(vars(parallel_state).items()):
-        if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
-            setattr(parallel_state, name, None)
-
-
-def megatron_mesh(parallel: ParallelConfig, world_size: int) -> ParallelMesh:
-    """Megatron's groups (after init_model_parallel) as a common.engine.mesh.ParallelMesh. Its "dp" is data
-    parallel without context parallelism: the context-parallel peers of a rank share its rows."""
-    sizes = mesh_sizes(parallel, world_size)
+def megatron_mesh(parallel: ParallelConfig, world_group=None) -> ParallelMesh:
+    """parallel_state's groups (set by the host, or from an earlier engine's mesh) as a
+    common.engine.mesh.ParallelMesh of the engine's own. Its "dp" is data parallel without context
+    parallelism: the context-parallel peers of a rank share its rows."""
+    sizes = {TENSOR: parallel.tensor, PIPELINE: parallel.pipeline, CONTEXT: parallel.context,
+             DATA: parallel_state.get_data_parallel_world_size(with_context_parallel=False)}
     groups = {DATA: parallel_state.get_data_parallel_group(with_context_parallel=False),
               CONTEXT: parallel_state.get_context_parallel_group(),
               TENSOR: parallel_state.get_tensor_model_parallel_group(),
               PIPELINE: parallel_state.get_pipeline_model_parallel_group()}
     # DDP's gradient all-reduce spans the context-parallel ranks too (megatron's dp x cp group).
-    return ParallelMesh.from_groups(sizes=sizes, groups=groups,
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group,
                                     shard_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 

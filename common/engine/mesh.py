@@ -6,12 +6,12 @@ them out): pipeline, data, context, ulysses, tensor. The model-parallel ones are
 engine.parallel fields that set their degrees (ParallelConfig); megatron's `sequence_parallel` is a
 switch of the tensor dimension, not a dimension. Use the constants below, never the strings.
 
-`build_mesh(parallel, dist, ranks=None)` makes one over every rank of the default group, or over a
-sub-world a host gives the critic (ranks 2 and 3 of 4): the fsdp and VeOmni engines build it when
-none is passed in, or run on the one passed in (VeOmni's parallel state is made from it:
-backends/veomni/mesh_state.py). megatron wraps the groups megatron-core creates over the default
-group (`ParallelMesh.from_groups`; its parallel_state is process-wide) and refuses a sub-world mesh
-by name. Every collective of the
+`build_mesh(parallel, dist, ranks=None, backend=None)` makes one over every rank of the default
+group, or over a sub-world a host gives the critic (ranks 2 and 3 of 4); every engine builds it when
+none is passed in, or runs on the one passed in. The libraries' own state is made from it: VeOmni's
+parallel state (backends/veomni/mesh_state.py), megatron-core's parallel_state (its further groups,
+BackendSpec.library_groups, are built with the mesh when `backend="megatron"`; megatron refuses a
+sub-world mesh by name, since megatron-core's dist_checkpointing runs on the default group). Every collective of the
 engines names its group (common.parallel.distributed refuses one without a group where others would wait):
 loading, DCP, loss normalisation and metric reductions use `dp_group` or `shard_group`;
 collectives that every rank of the engine joins use `world_group`.
@@ -57,6 +57,11 @@ class ParallelMesh:
     ulysses (the data group itself when the sequence is not split)."""
     shard_device_mesh: object = None
     """shard_group as a 1-D DeviceMesh, when the groups came from one (what FSDP2 takes)."""
+    library_groups: dict[str, object] = dataclasses.field(default_factory=dict)
+    """The further groups a backend's library keeps (megatron-core's model-parallel, tensor x data,
+    embedding, gloo copies, ...), by the names its BackendSpec.library_groups gives them: built with
+    the mesh by build_mesh(..., backend=name), the group of each name this rank is in (None where
+    it is in none)."""
 
     def __post_init__(self):
         assert set(self.sizes) == set(DIMS) and set(self.coords) == set(DIMS), (self.sizes, self.coords)
@@ -123,6 +128,7 @@ class ParallelMesh:
     def release(self) -> None:
         """Forget the groups (they belong to the default group; destroy_process_group ends them)."""
         self.groups.clear()
+        self.library_groups.clear()
         self.world_group = self.device_mesh = self.shard_group = self.shard_device_mesh = None
 
     @classmethod
@@ -171,11 +177,43 @@ def mesh_sizes(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     return {dim: sizes[dim] for dim in DIMS}
 
 
-def build_mesh(parallel: ParallelConfig, dist: DistContext, ranks=None) -> ParallelMesh | None:
+def ranks_along(layout, *dims: str) -> list[list[int]]:
+    """The rank lists of the groups spanning `dims` of a layout (the engine's global ranks laid out
+    over DIMS, one axis each, degree-1 axes included): the ranks that differ only in those
+    coordinates, each list in ascending order (torch.Tensor layout)."""
+    axes = [DIMS.index(d) for d in dims]
+    rest = [a for a in range(len(DIMS)) if a not in axes]
+    width = _product(layout.shape[a] for a in axes)
+    return sorted(sorted(row) for row in layout.permute(*rest, *axes).reshape(-1, width).tolist())
+
+
+def _library_groups(spec_groups, layout, rank: int, existing: dict[tuple[int, ...], object]) -> dict[str, object]:
+    """The groups a backend's library keeps (BackendSpec.library_groups), made over the whole
+    default group in one order on every process (like new_group). `existing`: every group the mesh
+    already has, by its rank list (None for the ones this rank is not in; the same keys on every
+    process), which is reused instead of made again, as is a list made for an earlier name."""
+    default_backend = torch_dist.get_backend()
+    made = {(ranks, default_backend): group for ranks, group in existing.items()}
+    out = {}
+    for name, (rank_lists, backend) in spec_groups(layout).items():
+        backend = backend or default_backend
+        out[name] = None
+        for ranks in rank_lists:
+            key = (tuple(ranks), backend)
+            if key not in made:
+                made[key] = torch_dist.new_group(list(ranks), backend=None if backend == default_backend else backend)
+            if rank in ranks:
+                out[name] = made[key]
+    return out
+
+
+def build_mesh(parallel: ParallelConfig, dist: DistContext, ranks=None, *, backend: str | None = None
+               ) -> ParallelMesh | None:
     """The mesh of the engine's ranks: every rank of the default group, or `ranks` of it (a host
     that gives the critic a sub-world, e.g. ranks 2 and 3 of 4). Collective over the whole default
     group, like torch's new_group: every process calls it with the same `ranks`, in the same order;
-    a process outside `ranks` gets None.
+    a process outside `ranks` gets None. `backend`: a registered backend whose library keeps groups
+    of its own (BackendSpec.library_groups, e.g. megatron): they are built with the mesh, from it.
 
     The DeviceMesh has the dimensions of degree > 1, plus DATA always, so FSDP has a data-parallel
     mesh to shard over even when it is one rank; with a split sequence (context or ulysses > 1),
@@ -194,8 +232,32 @@ def build_mesh(parallel: ParallelConfig, dist: DistContext, ranks=None) -> Paral
     world_group = torch_dist.group.WORLD if len(members) == world else torch_dist.new_group(members)
     split_dims = tuple(dim for dim in SHARD_DIMS if dim in names)
     shard_mesh = device_mesh[split_dims]._flatten("shard") if len(split_dims) > 1 else device_mesh[DATA]
-    if dist.rank not in members:
+    inside = dist.rank in members
+    groups = {dim: device_mesh.get_group(dim) for dim in names} if inside else {}
+    library = {}
+    spec_groups = _library_groups_of(backend)
+    if spec_groups is not None:
+        full_layout = torch.tensor(members).reshape(tuple(sizes[d] for d in DIMS))
+        # The mesh's own groups, by rank list (a rank list of a group this rank is not in: None).
+        existing = {tuple(members): world_group if inside else None}
+        own = [((dim,), groups.get(dim)) for dim in names] + [(split_dims, shard_mesh.get_group() if inside else None)]
+        for dims, group in own:
+            for ranks in ranks_along(full_layout, *dims):
+                existing[tuple(ranks)] = group if dist.rank in ranks else None
+        library = _library_groups(spec_groups, full_layout, dist.rank, existing)
+    if not inside:
         return None
-    groups = {dim: device_mesh.get_group(dim) for dim in names}
-    return ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group, device_mesh=device_mesh,
+    mesh = ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group, device_mesh=device_mesh,
                                     shard_group=shard_mesh.get_group(), shard_device_mesh=shard_mesh)
+    mesh.library_groups = library
+    return mesh
+
+
+def _library_groups_of(backend: str | None):
+    """The backend's BackendSpec.library_groups callable, or None."""
+    if backend is None:
+        return None
+    from .registry import backend_spec, resolve
+
+    spec = backend_spec(backend)
+    return None if spec.library_groups is None else resolve(spec.library_groups)

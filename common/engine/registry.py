@@ -55,6 +55,14 @@ class BackendSpec:
     world_size) raises a ValueError for a parallel layout the model or the process count cannot
     take (heads a tensor degree does not divide, ...). The launcher and the trainer call it before
     any process starts or anything is written; model_config is the checkpoint's HF text config."""
+    library_groups: str | Callable | None = None
+    """"module:callable" (as factory) or the callable, for a backend whose library keeps process
+    groups of its own beyond the mesh's dimensions (megatron-core's parallel_state):
+    library_groups(layout) -> {name: (rank lists, process-group backend or None for the default)},
+    where layout is the engine's global ranks laid out over common.engine.mesh.DIMS (a torch
+    tensor, one axis per dimension, degree-1 axes included). build_mesh(..., backend=name) makes
+    them with the mesh (collectively, so a host's sub-world works too); ParallelMesh.library_groups
+    holds this rank's group of each name."""
 
     def __post_init__(self):
         unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
@@ -83,6 +91,7 @@ BACKENDS: dict[str, BackendSpec] = {
         parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank"}),
         launcher=".backends.megatron.train",
+        library_groups=".backends.megatron.mesh_groups:megatron_groups",
         # The two processes of the default job split every layer (a data-parallel degree of 1).
         job_defaults=("engine.parallel.tensor=2", "trainer.run_dir=outputs/megatron-default"),
         check_layout=".backends.megatron.config:check_layout",
@@ -164,7 +173,7 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
                          f"{keys}, or choose a backend that offers {'it' if len(problems) == 1 else 'them'}")
 
 
-def _resolve(target: str | Callable) -> Callable:
+def resolve(target: str | Callable) -> Callable:
     """A "module:callable" string (module relative to the package root when it starts with a dot) -> the callable."""
     if not isinstance(target, str):
         return target
@@ -214,7 +223,7 @@ def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
 
         check_lora(critic_config, engine.lora)
     if spec.check_layout is not None:
-        _resolve(spec.check_layout)(critic_config.get_text_config(), engine, world_size)
+        resolve(spec.check_layout)(critic_config.get_text_config(), engine, world_size)
 
 
 def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
@@ -228,4 +237,4 @@ def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
     anything is built. Close the engine (engine.close()) before common.parallel.distributed.shutdown().
     """
     check_engine_config(backend, config)
-    return _resolve(backend_spec(backend).factory)(config, dist, **kwargs)
+    return resolve(backend_spec(backend).factory)(config, dist, **kwargs)
