@@ -33,6 +33,21 @@ def test_runs_as_a_module(tmp_path, module, option):
     assert option in result.stdout
 
 
+def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
+    """bench/offload.py on a tiny critic: every byte off the device and back, values equal after."""
+    import json
+
+    out = tmp_path / "offload.json"
+    result = _run([sys.executable, "-m", "critic_adapters.bench.offload", "--repeats", "1", "--hidden", "64",
+                   "--layers", "2", "--backends", "fsdp,megatron", "--out", str(out)], cwd=tmp_path,
+                  PYTHONPATH=os.path.dirname(HERE))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("offload+onload s/GiB: fsdp ")
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["fsdp", "megatron"]
+    assert all(r["bytes"] > 0 and r["resident_bytes_after"] == 0 and r["values_equal_after"] for r in rows), rows
+
+
 def test_bazel_binary_runs():
     if not os.environ.get("TEST_SRCDIR"):
         pytest.skip("only under bazel test: the py_binary's launcher lives in its runfiles")

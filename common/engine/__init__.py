@@ -32,7 +32,7 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   forward_backward / step_optimizer / zero_grad, scheduler
                                  the step in pieces, for a host's own loop and loss (verl's slot)
   export_adapter(dir)            a LoRA critic's peft adapter directory
-  offload(model, optimizer, grads) / onload(), offloaded, resident_bytes()
+  offload(model, optimizer, grads) / onload(model, optimizer, grads), offloaded, resident_bytes()
                                  the critic's state off the compute device between phases, storage
                                  by storage (common/engine/offload.py), for sharing GPUs with an actor
   data_parallel_ranks, parameter_counts()   what the console reports
@@ -195,9 +195,10 @@ class CriticEngine(Protocol):
         offload the same parts again after."""
         ...
 
-    def onload(self) -> None:
-        """Collective: every offloaded part back, into the same tensors (FSDP's, DTensor's, megatron's
-        and the optimizer's references stay valid), bit for bit; a no-op when resident."""
+    def onload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
+        """Collective: these offloaded parts (all by default) back, into the same tensors (FSDP's,
+        DTensor's, megatron's and the optimizer's references stay valid), bit for bit; a no-op for
+        a resident part."""
         ...
 
     def resident_bytes(self) -> dict[str, int]:

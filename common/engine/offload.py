@@ -75,10 +75,10 @@ class StorageOffload:
                 storage.resize_(0)
             self._held[kind] = held
 
-    def onload(self) -> frozenset[str]:
-        """Every offloaded storage back on its device, in place; returns the kinds that came back."""
-        back = self.offloaded
-        for kind in list(self._held):
+    def onload(self, kinds=KINDS) -> frozenset[str]:
+        """The offloaded storages of `kinds` back on their device, in place; returns the kinds that came back."""
+        back = self.offloaded & frozenset(kinds)
+        for kind in back:
             for storage, host in self._held[kind]:
                 storage.resize_(host.nbytes())
                 storage.copy_(host, non_blocking=host.is_pinned())
@@ -192,11 +192,13 @@ class Offloadable(abc.ABC):
                 self._before_offload()
             self._offload_state.offload(self._offload_tensors(), kinds)
 
-    def onload(self) -> None:
-        """Collective: everything offloaded back on the compute device, in place (a no-op when resident)."""
+    def onload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
+        """Collective: these parts (every offloaded part by default) back on the compute device, in
+        place (a no-op for a resident part). verl's evaluation phase brings back the model only."""
+        kinds = {kind for kind, on in (("model", model), ("optimizer", optimizer), ("grads", grads)) if on}
         with one_outcome("onloading the critic", group=self._offload_group(),
                          timeout_s=self.config.collective_timeout_s):
-            self._offload_state.onload()
+            self._offload_state.onload(kinds)
 
     def resident_bytes(self) -> dict[str, int]:
         """This rank's bytes of each part on the compute device now (0 for an offloaded part)."""

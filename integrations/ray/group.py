@@ -2,7 +2,8 @@
 actor, driven from one driver process (what OpenRLHF, NeMo-RL, slime, ROLL and verl do with their
 critics).
 
-  placement group (PACK / SPREAD, one bundle per worker) -> one CriticWorker actor per bundle ->
+  placement group (PACK / SPREAD, one bundle per worker; or bundles of a host's own placement group,
+  shared with its actors) -> one CriticWorker actor per bundle ->
   rank 0's address + a free port -> every actor joins torch.distributed there (gloo on CPU, NCCL +
   gloo on GPU: common.parallel.distributed) and builds the engine -> the driver calls the engine API on all
   actors at once.
@@ -52,20 +53,29 @@ def _resources(resources_per_worker: dict | None, use_gpu: bool) -> dict:
 class RayCriticGroup:
     def __init__(self, backend: str, engine_config, num_workers: int | None = None, *,
                  resources_per_worker: dict | None = None, placement_strategy: str = "PACK",
+                 placement_group=None, bundle_indices: list[int] | None = None, address: str | None = None,
                  startup_timeout_s: float = 300.0, error_grace_s: float = 60.0):
         """Start `num_workers` actors (default: what engine_config.parallel needs) and build the engine
-        on them. Ray must be initialised (ray.init), or a local cluster is started
-        (integrations.ray.cluster.ensure_ray). Everything that can be refused is refused before any
-        actor starts: the backend, the layout for this worker count, the model and LoRA settings."""
+        on them. Ray must be initialised (ray.init), or `address` names a cluster to join ("auto",
+        "host:port"), or a local cluster is started (integrations.ray.cluster.ensure_ray).
+
+        Placement: a placement group of one bundle per worker (`placement_strategy`), made and
+        removed by the group; or `placement_group`, a host's own, whose bundles `bundle_indices`
+        (default 0..num_workers-1) the workers join, each reserving `resources_per_worker` of its
+        bundle (fractional, e.g. {"CPU": 0.5} or {"GPU": 0.5}, beside the host's actors on the same
+        bundle). The host's placement group stays the host's: close() leaves it.
+
+        Everything that can be refused is refused before any actor starts: the backend, the layout
+        for this worker count, the model and LoRA settings, the bundles."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group as new_placement_group
 
         from ...common.engine.registry import check_engine_config, check_layout
-        from .cluster import check_fits, ensure_ray, started_locally
+        from .cluster import check_fits, ensure_ray
 
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy={placement_strategy!r}; use one of {', '.join(PLACEMENT_STRATEGIES)}")
-        num_workers = num_workers or engine_config.parallel.model_parallel_size
+        num_workers = num_workers or (len(bundle_indices) if bundle_indices else engine_config.parallel.model_parallel_size)
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: a group needs at least one worker")
         check_engine_config(backend, engine_config)
@@ -74,13 +84,21 @@ class RayCriticGroup:
         # Paths as the driver means them: an actor's working directory is not the driver's.
         model = dataclasses.replace(engine_config.model, path=_absolute(engine_config.model.path))
         engine_config = dataclasses.replace(engine_config, model=model)
-        ensure_ray()
-        check_fits(num_workers, resources)
+        ensure_ray(address)
         self.backend, self.config, self.num_workers = backend, engine_config, num_workers
         self.error_grace_s = error_grace_s
         self.actors, self._closed = [], False
-        self.placement_group = placement_group([dict(resources) for _ in range(num_workers)],
-                                               strategy=placement_strategy)
+        if placement_group is not None:
+            self.bundle_indices = _check_bundles(placement_group, bundle_indices, num_workers, resources)
+            self.placement_group, self._owns_placement_group = placement_group, False
+        else:
+            if bundle_indices is not None:
+                raise ValueError("bundle_indices names bundles of a host's placement_group; pass placement_group too")
+            check_fits(num_workers, resources)
+            self.bundle_indices = list(range(num_workers))
+            self.placement_group = new_placement_group([dict(resources) for _ in range(num_workers)],
+                                                       strategy=placement_strategy)
+            self._owns_placement_group = True
         try:
             ready, _ = ray.wait([self.placement_group.ready()], timeout=startup_timeout_s)
             if not ready:
@@ -88,26 +106,28 @@ class RayCriticGroup:
                                    f"({placement_strategy}) within {startup_timeout_s:.0f} s; the cluster has "
                                    f"{ray.available_resources()} free. Lower num_workers or resources_per_worker, "
                                    f"or add nodes")
-            self._start_actors(resources, loopback=started_locally())
+            self._start_actors(resources)
         except BaseException:
             self._stop()
             raise
 
     # -- start ---------------------------------------------------------------------------------------
-    def _start_actors(self, resources: dict, *, loopback: bool) -> None:
+    def _start_actors(self, resources: dict) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(CriticWorker)
         threads = max(1, int(resources.get("CPU", 1)))
-        for rank in range(self.num_workers):
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+        for rank, bundle in enumerate(self.bundle_indices):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle)
             self.actors.append(remote.options(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
                                               resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
                                               scheduling_strategy=strategy, max_restarts=0, max_task_retries=0)
                                .remote(rank, self.num_workers, threads))
-        places = self._call_all("where", loopback)
+        places = self._call_all("where")
         self.pids = [place["pid"] for place in places]
+        self.node_ids = [place["node_id"] for place in places]  # each worker's Ray node
+        self.hosts = [place["host"] for place in places]  # its address (rank 0's is the rendezvous)
         master = places[0]
         self._info = self._gather([actor.build.remote(self.backend, self.config, master["host"], master["port"])
                                    for actor in self.actors], "build")
@@ -213,9 +233,9 @@ class RayCriticGroup:
         """Every engine's offload: these parts' device storages freed, held in each actor's host memory."""
         self._call_all("offload", model, optimizer, grads)
 
-    def onload(self) -> None:
-        """Every engine's onload: what is offloaded back, in place."""
-        self._call_all("onload")
+    def onload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
+        """Every engine's onload: these offloaded parts (all by default) back, in place."""
+        self._call_all("onload", model, optimizer, grads)
 
     @property
     def offloaded(self) -> frozenset:
@@ -279,12 +299,12 @@ class RayCriticGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        if getattr(self, "placement_group", None) is not None:
+        if getattr(self, "placement_group", None) is not None and getattr(self, "_owns_placement_group", False):
             try:
                 remove_placement_group(self.placement_group)
             except Exception:  # noqa: BLE001 - already removed
                 pass
-            self.placement_group = None
+        self.placement_group = None
 
     def __enter__(self):
         return self
@@ -304,6 +324,24 @@ class _GroupScheduler:
 
     def get_last_lr(self) -> list[float]:
         return self._group._call_all("last_lr")[0]
+
+
+def _check_bundles(placement_group, bundle_indices, num_workers: int, resources: dict) -> list[int]:
+    """The bundles of a host's placement group the workers join: one per worker, each holding at
+    least what a worker reserves; ValueError naming the bundle and the fix otherwise."""
+    bundles = placement_group.bundle_specs
+    indices = list(range(num_workers)) if bundle_indices is None else [int(i) for i in bundle_indices]
+    if len(indices) != num_workers:
+        raise ValueError(f"bundle_indices={indices} names {len(indices)} bundles for {num_workers} workers: one each")
+    for index in indices:
+        if not 0 <= index < len(bundles):
+            raise ValueError(f"bundle_indices names bundle {index}; the placement group has bundles 0..{len(bundles) - 1}")
+        short = {name: amount for name, amount in resources.items() if amount > bundles[index].get(name, 0)}
+        if short:
+            raise ValueError(f"bundle {index} of the placement group holds {bundles[index]}, a critic worker reserves "
+                             f"{resources}: lower resources_per_worker (fractions such as {{'CPU': 0.5}} share a bundle) "
+                             f"or give the critic bigger bundles")
+    return indices
 
 
 def _reason(err) -> str:

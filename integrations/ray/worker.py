@@ -30,15 +30,16 @@ class CriticWorker:
         self.engine = None
         self.dist = None
 
-    def where(self, loopback: bool) -> dict:
-        """This actor's pid, and an address + free port the group's rendezvous can use (rank 0's)."""
+    def where(self) -> dict:
+        """This actor's pid, its Ray node, and an address + free port the group's rendezvous can use
+        (rank 0's): the address Ray reports for the actor's node (127.0.0.1 on a local cluster)."""
         import ray
 
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        host = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        return {"pid": os.getpid(), "host": host, "port": port}
+        return {"pid": os.getpid(), "host": host, "port": port, "node_id": ray.get_runtime_context().get_node_id()}
 
     def build(self, backend: str, config, master_addr: str, master_port: int) -> dict:
         """Join the group and build the engine; returns the engine's coordinates (and, on rank 0, its
@@ -91,8 +92,8 @@ class CriticWorker:
     def offload(self, model: bool, optimizer: bool, grads: bool) -> None:
         self.engine.offload(model=model, optimizer=optimizer, grads=grads)
 
-    def onload(self) -> None:
-        self.engine.onload()
+    def onload(self, model: bool, optimizer: bool, grads: bool) -> None:
+        self.engine.onload(model=model, optimizer=optimizer, grads=grads)
 
     def offloaded(self) -> frozenset:
         return self.engine.offloaded

@@ -88,25 +88,46 @@ class CriticAdaptersEngine(BaseEngine):
             self.engine = build_engine(self.backend, self.config, self.dist)
         self._initialized = True
 
+    # -- offload between phases (verl's critic.fsdp.param_offload / optimizer_offload) -------------------
     @property
     def is_param_offload_enabled(self) -> bool:
-        return False  # engine.cpu_offload is FSDP2's own policy: nothing for verl to move
+        """critic.fsdp.param_offload: parameters and gradients leave the device between phases."""
+        return bool(getattr(self.engine_config, "param_offload", False))
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return False
+        """critic.fsdp.optimizer_offload: the optimizer state leaves the device between updates."""
+        return bool(getattr(self.engine_config, "optimizer_offload", False))
 
     def train_mode(self, **kwargs):
-        return BaseEngineCtx(self, "train", **kwargs)
+        return PhaseContext(self, "train", **kwargs)
 
     def eval_mode(self, **kwargs):
-        return BaseEngineCtx(self, "eval", **kwargs)
+        return PhaseContext(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """verl's manual load / offload: to the compute device, these parts come back
+        (engine.onload); to "cpu" from a GPU, they leave it (engine.offload: storages freed on the
+        device, held in pinned host memory). On a CPU machine the state is on its compute device
+        already and stays resident (verl names "cpu" both ways there); the train / eval phases
+        still offload and onload it (PhaseContext)."""
         super().to(device, model=model, optimizer=optimizer, grad=grad)
-        if (model or optimizer) and torch.device(device).type != self.dist.device.type:
-            raise NotImplementedError(f"the critic_adapters engine keeps its model on {self.dist.device}; to hold "
-                                      f"parameters and optimizer state in CPU memory set critic_adapters.cpu_offload")
+        target = torch.device(device).type
+        if target == self.dist.device.type:
+            if target != "cpu":
+                self.move_state(onto_device=True, model=model, optimizer=optimizer, grads=grad)
+        elif target == "cpu":
+            self.move_state(onto_device=False, model=model, optimizer=optimizer, grads=grad)
+        else:
+            raise ValueError(f"to({device!r}): the critic_adapters engine computes on {self.dist.device}; move it "
+                             f"there or to 'cpu'")
+
+    def move_state(self, *, onto_device: bool, model: bool, optimizer: bool, grads: bool) -> None:
+        """Our engine's onload (onto_device) or offload of these parts; nothing when none is named."""
+        if not (model or optimizer or grads):
+            return
+        move = self.engine.onload if onto_device else self.engine.offload
+        move(model=model, optimizer=optimizer, grads=grads)
 
     # -- coordinates -----------------------------------------------------------------------------------
     def get_data_parallel_rank(self):
@@ -188,6 +209,31 @@ class CriticAdaptersEngine(BaseEngine):
     def get_per_tensor_param(self, *args, **kwargs):
         raise NotImplementedError("the critic_adapters engine is a value model: verl syncs no critic weights to "
                                   "rollout engines; export it with the engine's export_hf")
+
+
+class PhaseContext(BaseEngineCtx):
+    """verl's train / eval phase around our engine, as verl's BaseEngineCtx does for its own: on
+    entry the parts verl's offload keys name come back, on exit they leave the device again
+    (train: parameters, gradients with param_offload, the optimizer state with optimizer_offload;
+    eval: the parameters only, so an offloaded optimizer stays off through the rollout).
+    disable_auto_offload: neither. The direction comes from entry and exit, not from a device name
+    (verl's BaseEngineCtx names "cpu" both ways on a CPU machine)."""
+
+    def _parts(self) -> dict:
+        params = self.engine.is_param_offload_enabled
+        train = self.mode == "train"
+        return {"model": params, "optimizer": train and self.engine.is_optimizer_offload_enabled,
+                "grads": train and params}
+
+    def __enter__(self):
+        self.engine.mode = self.mode
+        if not self.disable_auto_offload:
+            self.engine.move_state(onto_device=True, **self._parts())
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if not self.disable_auto_offload:
+            self.engine.move_state(onto_device=False, **self._parts())
+        self.engine.mode = None
 
 
 def register() -> None:

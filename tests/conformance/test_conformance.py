@@ -114,6 +114,7 @@ def test_the_critic_steps_off_the_device_and_back_between_phases(run):
         assert o["offloaded"] == ["grads", "model", "optimizer"], o
         assert o["offloaded_bytes"] == {"model": 0, "grads": 0, "optimizer": 0}, o
         assert "compute_values: the critic's model is offloaded" in o["values_refused"]["message"], o
+        assert o["model_back"] == {"offloaded": ["grads", "optimizer"], "values_equal": True}, o
         assert o["after_onload"] == [] and o["values_equal_after"], o
         before, after = o["resident"]
         assert after["optimizer"] == before["optimizer"] > 0 and after["grads"] == before["grads"], o

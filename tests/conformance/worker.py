@@ -244,6 +244,9 @@ def offload_phases(engine, batch: RolloutBatch) -> dict:
     out["offloaded"] = sorted(engine.offloaded)
     out["offloaded_bytes"] = engine.resident_bytes()
     out["values_refused"] = _outcome(lambda: engine.compute_values(ids, mask))["raised"]
+    engine.onload(optimizer=False, grads=False)  # verl's next rollout: the model back, the optimizer stays off
+    out["model_back"] = {"offloaded": sorted(engine.offloaded),
+                         "values_equal": torch.equal(engine.compute_values(ids, mask), before)}
     engine.onload()
     engine.onload()
     out["after_onload"] = sorted(engine.offloaded)

@@ -85,7 +85,15 @@ ENGINE_FIELDS = dict(model_dtype="fp32", mixed_precision={"param_dtype": "fp32",
 def degree(backend: str, key: str) -> int:
     """'megatron-tp2': megatron at tensor degree 2 ('tp'); 'megatron-cp2': context degree 2 ('cp');
     'fsdp-sp2': Ulysses degree 2 ('sp', set through verl's own ulysses_sequence_parallel_size)."""
-    return int(backend.partition(f"-{key}")[2] or 1)
+    for part in backend.split("-")[1:]:
+        if part.startswith(key) and part[len(key):].isdigit():
+            return int(part[len(key):])
+    return 1
+
+
+def offloads(backend: str) -> bool:
+    """'fsdp-offload', 'megatron-tp2-offload': verl's critic.fsdp.param_offload and optimizer_offload on."""
+    return "offload" in backend.split("-")
 
 
 def make_worker(model_dir: str, backend: str) -> TrainingWorker:
@@ -97,6 +105,7 @@ def make_worker(model_dir: str, backend: str) -> TrainingWorker:
         engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend.partition("-")[0], critic_adapters={
             "parallel": {"tensor": degree(backend, "tp"), "context": degree(backend, "cp")}},
             ulysses_sequence_parallel_size=degree(backend, "sp"),
+            param_offload=offloads(backend), optimizer_offload=offloads(backend),
             **ENGINE_FIELDS)
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
                           enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
@@ -228,12 +237,17 @@ def parity(model_dir: str, backend: str) -> dict:
         tensors, returns = padded_batch(data_parallel=dp)
         reference = our_values(model_dir, tensors)  # also the update's old values, on every rank
         worker = make_worker(model_dir, name)
+        phases = []  # what our engine holds off its device after each of verl's phases
         before = infer(worker, tensors)
+        phases.append(("after infer", offloaded(worker)))
         metrics = train(worker, tensors, reference, returns)
+        phases.append(("after train", offloaded(worker)))
         share = share_rows(dp)
         out[name] = {"rows": (share.start, share.stop), "reference": reference,
                      "response_mask": tensors["response_mask"], "before": before, "metrics": metrics,
                      "after": infer(worker, tensors), "engine": type(worker.engine).__name__}
+        phases.append(("after infer", offloaded(worker)))
+        out[name]["phases"] = phases
         # Then the v1 trainer's layout, from the state after that step.
         out[name]["v1_values"], out[name]["v1_metrics"] = v1_step(worker, tensors, reference, returns)
         close = getattr(getattr(worker.engine, "engine", None), "close", None)
@@ -241,6 +255,12 @@ def parity(model_dir: str, backend: str) -> dict:
             close()
         del worker
     return out
+
+
+def offloaded(worker) -> list[str] | None:
+    """What our engine (under verl's) holds off its device now; None for verl's own engine."""
+    inner = getattr(worker.engine, "engine", None)
+    return None if inner is None else sorted(inner.offloaded)
 
 
 def resume(model_dir: str, backend: str, workdir: str) -> dict:

@@ -1,6 +1,7 @@
 """RayCriticGroup on a local Ray cluster of this machine (2 actors, CPU, gloo): the same values as
 an in-process engine, the same update as the 2-rank torchrun engine, checkpoints that a new group
-continues bit-identically, megatron at TP 2 across the actors, the whole engine contract
+continues bit-identically, megatron at TP 2 across the actors, a host's placement group shared with
+its actors between phases, the whole engine contract
 (common.engine.CriticEngine) with the step in pieces equal to one engine's, and faults (a killed
 actor, NaN returns) that end in a clear error on the driver, never a hang."""
 
@@ -104,6 +105,9 @@ def test_values_and_one_update_equal_the_engines(ray_cluster, models, batch_file
     reference = torchrun_update("fsdp", models[family], batch_file, tmp_path / "metrics.pt")
     with RayCriticGroup("fsdp", config, num_workers=2) as group:
         assert len(group.actors) == 2 and group.data_parallel_ranks == 2
+        # The local cluster is loopback-only: Ray reports 127.0.0.1 for its node, the rendezvous is there.
+        assert [node["NodeManagerAddress"] for node in ray_cluster.nodes()] == ["127.0.0.1"]
+        assert group.hosts == ["127.0.0.1", "127.0.0.1"]
         values = group.compute_values(batch.input_ids, batch.attention_mask)  # 3 rows on worker 0, 2 on worker 1
         assert values.dtype == torch.float32 and values.shape == batch.input_ids.shape
         assert torch.allclose(values, expected, atol=1e-6, rtol=0), (values - expected).abs().max()
@@ -169,6 +173,66 @@ def test_a_killed_actor_ends_the_next_call_with_an_error_naming_it(ray_cluster, 
     with pytest.raises(RuntimeError, match="closed"):
         group.compute_values(batch.input_ids, batch.attention_mask)
     group.close()  # nothing left to close: no error
+
+
+def test_the_critic_shares_a_hosts_placement_group_with_its_actors_between_phases(ray_cluster, models, batch_file):
+    """A host's placement group of two 1-CPU bundles, a stand-in actor model on each (half a CPU:
+    it holds a tensor and works), our critic's two workers on the same bundles (the other half).
+    Phases alternate: the actors work while the critic is offloaded, then the critic onloads,
+    computes values, updates and offloads again. The critic trains as a group of its own would,
+    bit for bit; the host's actors and placement group outlive the critic group."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    @ray_cluster.remote(num_cpus=0.5)
+    class StandInActor:
+        def __init__(self, seed: int):
+            self.weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(seed)) / 8
+
+        def work(self) -> float:
+            self.weights = torch.tanh(self.weights @ self.weights)
+            return float(self.weights.sum())
+
+    batch, config = rollout_batch(batch_file), engine_config(models["qwen2"])
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray_cluster.get(pg.ready())
+    try:
+        host = [StandInActor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                .remote(i) for i in range(2)]
+        expected_work = [float(torch.tanh(w @ w).sum()) for w in
+                         (torch.randn(64, 64, generator=torch.Generator().manual_seed(i)) / 8 for i in range(2))]
+        with pytest.raises(ValueError, match=r"bundle 0 of the placement group holds \{'CPU': 1.0\}, a critic worker "
+                                             r"reserves \{'CPU': 2\}"):
+            RayCriticGroup("fsdp", config, placement_group=pg, bundle_indices=[0, 1], resources_per_worker={"CPU": 2})
+        shared = []
+        with RayCriticGroup("fsdp", config, placement_group=pg, bundle_indices=[1, 0],
+                            resources_per_worker={"CPU": 0.5}) as group:
+            assert group.num_workers == 2 and group.offloaded == set()
+            group.offload()
+            assert ray_cluster.get([actor.work.remote() for actor in host]) == pytest.approx(expected_work)
+            for _ in range(2):  # rollout: the actors work while the critic is off; then the critic's phase
+                group.onload()
+                values = group.compute_values(batch.input_ids, batch.attention_mask)
+                shared.append((values, group.update(batch)))
+                group.offload()
+                assert group.offloaded == {"model", "grads", "optimizer"}
+                assert all(abs(x) > 0 for x in ray_cluster.get([actor.work.remote() for actor in host]))
+        assert placement_group_table(pg)["state"] == "CREATED"  # the host's group stays the host's
+        assert all(abs(x) > 0 for x in ray_cluster.get([actor.work.remote() for actor in host]))
+        for actor in host:
+            ray_cluster.kill(actor)
+    finally:
+        remove_placement_group(pg)
+    alone = []
+    with RayCriticGroup("fsdp", config, num_workers=2) as group:
+        for _ in range(2):
+            alone.append((group.compute_values(batch.input_ids, batch.attention_mask), group.update(batch)))
+    for (values, metrics), (values_alone, metrics_alone) in zip(shared, alone):
+        assert torch.equal(values, values_alone)
+        assert {k: metrics[k] for k in ("value_loss", "grad_norm", "explained_variance")} == \
+               {k: metrics_alone[k] for k in ("value_loss", "grad_norm", "explained_variance")}
 
 
 @pytest.fixture(scope="module")
