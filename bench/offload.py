@@ -26,14 +26,8 @@ import sys
 import tempfile
 import time
 
-if __package__ in (None, ""):  # run as a file (python bench/offload.py): use this checkout's package
-    import importlib.util
-
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _spec = importlib.util.spec_from_file_location("critic_adapters", os.path.join(_root, "__init__.py"),
-                                                   submodule_search_locations=[_root])
-    sys.modules["critic_adapters"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["critic_adapters"])
+if __package__ in (None, ""):  # run as a file: this checkout as the package critic_adapters
+    import as_a_file  # noqa: F401  (bench/as_a_file.py)
 
 import torch  # noqa: E402
 

@@ -23,14 +23,8 @@ import sys
 import tempfile
 import time
 
-if __package__ in (None, ""):  # run as a file: use this checkout's package (as critic_update.py does)
-    import importlib.util
-
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _spec = importlib.util.spec_from_file_location("critic_adapters", os.path.join(_root, "__init__.py"),
-                                                   submodule_search_locations=[_root])
-    sys.modules["critic_adapters"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["critic_adapters"])
+if __package__ in (None, ""):  # run as a file: this checkout as the package critic_adapters
+    import as_a_file  # noqa: F401  (bench/as_a_file.py)
 
 import torch  # noqa: E402
 

@@ -25,7 +25,8 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
     assert "--repeats" in result.stdout
 
 
-@pytest.mark.parametrize("module,option", [("critic_update", "--repeats"), ("long_context", "--lengths")])
+@pytest.mark.parametrize("module,option", [("critic_update", "--repeats"), ("long_context", "--lengths"),
+                                           ("dp_shares", "--short"), ("offload", "--backends")])
 def test_runs_as_a_module(tmp_path, module, option):
     result = _run([sys.executable, "-m", f"critic_adapters.bench.{module}", "--help"], cwd=tmp_path,
                   PYTHONPATH=os.path.dirname(HERE))

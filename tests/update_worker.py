@@ -13,6 +13,7 @@ import torch
 from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
+from critic_adapters.common.parallel.batching import data_parallel_shares
 
 from critic_adapters.common.tests.helpers import FIELDS  # noqa: E402
 
@@ -28,7 +29,7 @@ def main() -> None:
     # The FSDP engine shards data over every rank; megatron over its data-parallel ranks.
     rank, size = (engine.dp_rank, engine.dp_size) if backend == "megatron" else (dist.rank, dist.world_size)
     data = torch.load(batch_file)
-    mine = torch.arange(rank, data["input_ids"].shape[0], size)
+    mine = data_parallel_shares(data["attention_mask"], size)[rank]  # the trainer's and the Ray group's shares
     batch = RolloutBatch(*(data[k][mine] for k in FIELDS))
     metrics = [engine.update(batch) for _ in range(spec.get("steps", 1))]
     if dist.is_main:

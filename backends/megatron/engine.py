@@ -148,9 +148,11 @@ class MegatronCriticEngine(Offloadable):
         self._cp_group = self.parallel.groups[CONTEXT] if config.parallel.context > 1 else None
 
     # -- micro-batches -------------------------------------------------------------------------------
-    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
+    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                       forward_only: bool = False) -> list[MicroBatch]:
         """This rank's micro-batches; the same number on every rank (data-parallel peers run their schedules in step)."""
-        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.parallel.world_group)
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.parallel.world_group,
+                                  forward_only=forward_only)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
@@ -202,7 +204,7 @@ class MegatronCriticEngine(Offloadable):
                 out[mb.rows] = mb.unpack(values, input_ids.shape[1]).float().cpu()
             return output.sum() * 0.0, {}
 
-        self._run(self._micro_batches(input_ids, attention_mask), collect, forward_only=True)
+        self._run(self._micro_batches(input_ids, attention_mask, forward_only=True), collect, forward_only=True)
         return self._share_from_last_stage(out)
 
     def accumulate_gradients(self, batch: RolloutBatch) -> StepStats:

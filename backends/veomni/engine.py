@@ -104,7 +104,7 @@ class VeOmniCriticEngine(FSDP2Engine):
             value_model.check_class(model, self.hf_config)
             return install_value_head(model)
 
-        def parallelize_tree(model):  # VeOmni materialises the shards (at random; filled after)
+        def parallelize_tree(model):  # VeOmni materialises the shards (filled after)
             with self._veomni_build():
                 return parallelize.parallelize(model, self.config, fsdp=fsdp)
 

@@ -29,8 +29,8 @@ def mixed_precision_config(config: EngineConfig):
 
 def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
     """FSDP2 through VeOmni's build_parallelize_model over the ambient parallel state's shard mesh
-    (mesh_state.py). The model is on meta: VeOmni materialises each rank's shards (initialised at
-    random; the engine then fills them from the loaded critic); with one data-parallel rank,
+    (mesh_state.py). The model is on meta: VeOmni materialises each rank's shards (uninitialised:
+    the engine then fills them from the loaded critic); with one data-parallel rank,
     VeOmni's own FSDP-off path, or compat's on CPU."""
     from veomni.distributed.torch_parallelize import build_parallelize_model
 
@@ -55,6 +55,9 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
         model,
         init_device="meta",
         weights_path=None,
+        # Materialise only: the engine fills every parameter and buffer by name right after (VeOmni's
+        # random init would be thrown away, and DTensor's random ops warn on a CPU mesh).
+        should_skip_hf_weight_load=True,
         mixed_precision=mixed_precision_config(config),
         enable_gradient_checkpointing=config.gradient_checkpointing,
         enable_reentrant=False,

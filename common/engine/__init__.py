@@ -12,9 +12,10 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   parallel                       the engine's common.engine.mesh.ParallelMesh: degrees, coordinates and
                                  the process group of every parallel dimension.
   dp_rank, dp_size, dp_group     this rank's data-parallel coordinates (parallel's). The trainer
-                                 gives each DP rank its share of every mini-batch
-                                 (rows[dp_rank::dp_size]); the tensor/pipeline/sequence-parallel
-                                 peers of a DP rank receive the same rows.
+                                 gives each DP rank its share of every mini-batch, balanced by
+                                 tokens (common.parallel.batching.data_parallel_shares); the
+                                 tensor/pipeline/sequence-parallel peers of a DP rank receive the
+                                 same rows.
   compute_values(input_ids, attention_mask) -> float32 [B, T] on CPU, values at every position
                                  (unshifted), for the rows this rank passed; every rank of the DP
                                  rank's model-parallel group returns them (with pipeline parallelism

@@ -146,7 +146,10 @@ class LossConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class BatchingConfig:
     micro_batch_tokens: int = 8192
-    """Token budget of one micro-batch (per rank): micro-batches are balanced by token count."""
+    """Token budget of one micro-batch (per rank) in an update: micro-batches are balanced by token count."""
+    forward_micro_batch_tokens: int | None = None
+    """Token budget of one micro-batch in compute_values (no gradients, no activations kept for a
+    backward, so it can be several times the update's); None: micro_batch_tokens."""
     micro_batch_size: int | None = None
     """Fixed number of sequences per micro-batch instead of a token budget (the classic way)."""
     packing: bool = True
@@ -156,6 +159,9 @@ class BatchingConfig:
     def __post_init__(self):
         if self.micro_batch_tokens < 1:
             raise ValueError(f"engine.batching.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+        if self.forward_micro_batch_tokens is not None and self.forward_micro_batch_tokens < 1:
+            raise ValueError(f"engine.batching.forward_micro_batch_tokens={self.forward_micro_batch_tokens} must be "
+                             f">= 1, or null (the update's micro_batch_tokens)")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"engine.batching.micro_batch_size={self.micro_batch_size} must be >= 1, or null")
 

@@ -161,9 +161,11 @@ class FSDP2Engine(Offloadable):
                 module.reshard()
 
     # -- micro-batches -------------------------------------------------------------------------------
-    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
+    def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                       forward_only: bool = False) -> list[MicroBatch]:
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
-        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group)
+        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group,
+                                  forward_only=forward_only)
 
     @contextlib.contextmanager
     def _forward(self, mb: MicroBatch, row_length: int, *, bins: bool = False):
@@ -195,7 +197,7 @@ class FSDP2Engine(Offloadable):
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
         self.model.eval()
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
-        for mb in self._micro_batches(input_ids, attention_mask):
+        for mb in self._micro_batches(input_ids, attention_mask, forward_only=True):
             with self._forward(mb, input_ids.shape[1]) as (values, _):
                 if mb.rows:
                     out[mb.rows] = values.cpu()

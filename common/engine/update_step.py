@@ -53,14 +53,16 @@ def plan_step(batch: RolloutBatch, loss: LossConfig, dp_group) -> StepPlan:
 
 
 def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig, *,
-                       group) -> list[MicroBatch]:
+                       group, forward_only: bool = False) -> list[MicroBatch]:
     """This rank's micro-batches, as many as the busiest rank of `group` needs: ranks that share
-    collectives (FSDP's gathers, Megatron's schedules) must run the same number."""
-    local = count_micro_batches(attention_mask, token_budget=batching.micro_batch_tokens,
-                                micro_batch_size=batching.micro_batch_size)
+    collectives (FSDP's gathers, Megatron's schedules) must run the same number. forward_only
+    (compute_values): batching.forward_micro_batch_tokens is the budget when it is set."""
+    budget = batching.micro_batch_tokens
+    if forward_only and batching.forward_micro_batch_tokens is not None:
+        budget = batching.forward_micro_batch_tokens
+    local = count_micro_batches(attention_mask, token_budget=budget, micro_batch_size=batching.micro_batch_size)
     (count,) = all_reduce([local], op="max", group=group)
-    return make_micro_batches(input_ids, attention_mask, packing=batching.packing,
-                              token_budget=batching.micro_batch_tokens,
+    return make_micro_batches(input_ids, attention_mask, packing=batching.packing, token_budget=budget,
                               micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
 
 

@@ -26,6 +26,7 @@ from ..storage import checkpoints
 from ..engine.config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
 from ..learning.data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
                    validate_records)
+from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
 from ..engine.registry import build_engine, check_engine_config, check_layout
@@ -109,9 +110,10 @@ def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | Non
 
 
 def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.Tensor:
-    """Critic values [N, T] for all rollouts on every rank: each data-parallel rank computes a strided
-    share (maybe none; its model-parallel peers compute the same share with it), then the DP group gathers."""
-    mine = torch.arange(len(rollouts))[engine.dp_rank::engine.dp_size]
+    """Critic values [N, T] for all rollouts on every rank: each data-parallel rank computes its
+    token-balanced share (maybe none; its model-parallel peers compute the same share with it), then
+    the DP group gathers."""
+    mine = data_parallel_shares(rollouts.attention_mask, engine.dp_size)[engine.dp_rank]
     values = engine.compute_values(rollouts.input_ids[mine], rollouts.attention_mask[mine])
     out = torch.zeros(rollouts.input_ids.shape, dtype=torch.float32)
     for index, share in all_gather_object((mine, values), group=engine.dp_group):
@@ -396,7 +398,8 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
             if refresh and step_in_epoch % per_iteration == 0 and step > 0:  # step 0's: prepare_targets
                 refresh_old_values(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini), config,
                                    dist, step)
-            metrics = engine.update(_batch(train, rows[engine.dp_rank::engine.dp_size]))  # a DP rank's share
+            share = data_parallel_shares(train.attention_mask[rows], engine.dp_size)[engine.dp_rank]
+            metrics = engine.update(_batch(train, rows[share]))  # a DP rank's share, balanced by tokens
             step += 1
             if not math.isfinite(metrics["value_loss"]):
                 # The rollouts were checked finite: the critic's own values have blown up.

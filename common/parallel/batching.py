@@ -46,6 +46,23 @@ def plan_token_budget(lengths: list[int], budget: int, *, min_micro_batches: int
         count += 1
 
 
+def data_parallel_shares(attention_mask: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
+    """Each data-parallel rank's rows of a mini-batch [B, T], balanced by token count: longest row
+    first onto the share with the fewest tokens (ties: the lower share), each share's rows in
+    ascending order. Deterministic from the mask, so every rank computes the same shares (verl
+    balances its data-parallel shares by tokens the same way). The loss is normalised over the whole
+    mini-batch whatever the shares are, so they change where the work runs, not the step."""
+    lengths = sequence_lengths(attention_mask)
+    order = sorted(range(len(lengths)), key=lambda row: (-lengths[row], row))
+    loads = [(0, share) for share in range(dp_size)]  # (tokens, share index): a heap
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for row in order:
+        tokens, share = heapq.heappop(loads)
+        shares[share].append(row)
+        heapq.heappush(loads, (tokens + lengths[row], share))
+    return [torch.tensor(sorted(rows), dtype=torch.long) for rows in shares]
+
+
 def plan_fixed_size(num_rows: int, micro_batch_size: int, *, min_micro_batches: int = 1) -> list[list[int]]:
     """The classic split: consecutive chunks of `micro_batch_size` rows (padded to a common count)."""
     chunks = [list(range(i, min(i + micro_batch_size, num_rows))) for i in range(0, num_rows, micro_batch_size)]

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from critic_adapters.common.parallel import packed_attention
-from critic_adapters.common.parallel.batching import make_micro_batches, plan_fixed_size, plan_token_budget
+from critic_adapters.common.parallel.batching import (data_parallel_shares, make_micro_batches, plan_fixed_size,
+                                                     plan_token_budget)
 from critic_adapters.common.tests.helpers import run_pytest
 
 
@@ -17,6 +18,42 @@ def test_token_budget_balances_by_tokens_not_rows():
     assert max(loads) <= 110 and max(loads) - min(loads) <= 10, loads
     # Row-count batching of the same data would put 100 + 90 tokens together.
     assert any(sum(lengths[i] for i in mb) > 110 for mb in plan_fixed_size(len(lengths), 6))
+
+
+def _mask(lengths, width=None):
+    width = width or max(lengths)
+    return (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+
+
+def test_data_parallel_shares_balance_tokens_deterministically():
+    # 10% of the rollouts 8x longer, every one of them at a rank-0 position of r::n.
+    lengths = [400 if i % 10 == 0 else 50 for i in range(40)]
+    mask = _mask(lengths)
+    shares = data_parallel_shares(mask, 2)
+    assert sorted(torch.cat(shares).tolist()) == list(range(40))  # a partition of the rows
+    assert all(torch.equal(share, share.sort().values) for share in shares)
+    balanced = [int(mask[share].sum()) for share in shares]
+    strided = [int(mask[r::2].sum()) for r in range(2)]
+    assert strided == [2400, 1000] and balanced == [1700, 1700], (strided, balanced)
+    assert [s.tolist() for s in data_parallel_shares(mask, 2)] == [s.tolist() for s in shares]  # deterministic
+    # The Ray tests' mini-batch: lengths 12, 7, 10, 5, 9 -> {12, 7, 5} and {10, 9}.
+    assert [s.tolist() for s in data_parallel_shares(_mask([12, 7, 10, 5, 9]), 2)] == [[0, 1, 3], [2, 4]]
+    assert [s.tolist() for s in data_parallel_shares(_mask([5]), 2)] == [[0], []]  # fewer rows than ranks
+
+
+def test_compute_values_has_its_own_micro_batch_budget():
+    from critic_adapters.common.engine.config import BatchingConfig
+    from critic_adapters.common.engine.update_step import step_micro_batches
+
+    mask = _mask([30] * 8)
+    ids = torch.ones_like(mask)
+    batching = BatchingConfig(micro_batch_tokens=60, forward_micro_batch_tokens=240)
+    assert len(step_micro_batches(ids, mask, batching, group=None)) == 4
+    assert len(step_micro_batches(ids, mask, batching, group=None, forward_only=True)) == 1
+    same = BatchingConfig(micro_batch_tokens=60)  # unset: the update's budget
+    assert len(step_micro_batches(ids, mask, same, group=None, forward_only=True)) == 4
+    with pytest.raises(ValueError, match="engine.batching.forward_micro_batch_tokens=0 must be >= 1"):
+        BatchingConfig(forward_micro_batch_tokens=0)
 
 
 def test_budget_edge_cases():

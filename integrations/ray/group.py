@@ -10,7 +10,7 @@ critics).
 
 Rows: every actor reads the whole batch (from the object store: a tensor is put there once, an
 object reference from a stack's own actors is passed as it is) and takes its data-parallel share
-(rows dp_rank::dp_size, as the torchrun trainer does; TP/PP/SP peers take the same rows). Values are
+(balanced by tokens, as the torchrun trainer shares them; TP/PP/SP peers take the same rows). Values are
 gathered back in row order from one actor per data-parallel rank; metrics are rank 0's (the engines
 reduce them over the data-parallel ranks).
 
@@ -214,7 +214,7 @@ class RayCriticGroup:
 
     # -- the step in pieces (common.engine.CriticEngine), for a host that drives its own loss ------
     def forward_backward(self, input_ids, attention_mask, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The engines' forward_backward, each actor on its data-parallel share (rows dp_rank::dp_size
+        """The engines' forward_backward, each actor on its data-parallel share (balanced by tokens
         of these rows, as compute_values): `loss_fn` (pickled to the actors) is called on every actor
         with the values of its share and, as on any engine, the gradients are averaged over the
         data-parallel ranks, so a loss normalised over all the rows carries a factor

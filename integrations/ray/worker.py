@@ -1,8 +1,8 @@
 """One Ray actor = one rank of a critic engine: it joins the torch.distributed group the driver's
 RayCriticGroup hands it (rank, world size, rendezvous address) and builds the engine there.
 
-The actor selects its own rows of what it is given (its data-parallel share, rows dp_rank::dp_size,
-as the torchrun trainer does), so a stack can pass a rollout batch as one Ray object reference that
+The actor selects its own rows of what it is given (its data-parallel share, balanced by tokens as
+the torchrun trainer shares them: common.parallel.batching.data_parallel_shares), so a stack can pass a rollout batch as one Ray object reference that
 every actor reads from the object store, without a copy through the driver per actor.
 """
 
@@ -57,21 +57,24 @@ class CriticWorker:
             info["counts"] = self.engine.parameter_counts()
         return info
 
-    def _rows(self, count: int) -> torch.Tensor:
-        return torch.arange(count)[self.engine.dp_rank::self.engine.dp_size]
+    def _rows(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """This data-parallel rank's rows, balanced by tokens as the trainer shares them."""
+        from ...common.parallel.batching import data_parallel_shares
+
+        return data_parallel_shares(attention_mask, self.engine.dp_size)[self.engine.dp_rank]
 
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
         """(this data-parallel share's row indices, their values [rows, T])."""
-        rows = self._rows(input_ids.shape[0])
+        rows = self._rows(attention_mask)
         return rows, self.engine.compute_values(input_ids[rows], attention_mask[rows])
 
     def update(self, batch) -> dict:
-        return self.engine.update(_share(batch, self._rows(batch.input_ids.shape[0])))
+        return self.engine.update(_share(batch, self._rows(batch.attention_mask)))
 
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None) -> tuple:
         """(this data-parallel share's row indices, their values, the loss or None): the engine's
         forward_backward on the share, `loss_fn` called on the share's values."""
-        rows = self._rows(input_ids.shape[0])
+        rows = self._rows(attention_mask)
         values, loss = self.engine.forward_backward(input_ids[rows], attention_mask[rows], loss_fn)
         # On the CPU: the driver may have no device (the engine returns them detached).
         return rows, values.cpu(), None if loss is None else loss.cpu()

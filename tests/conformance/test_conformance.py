@@ -103,6 +103,19 @@ def test_every_layout_the_backend_offers_runs_the_whole_contract_with_the_same_c
         assert float((got - expected).abs()[batch.attention_mask.bool()].max()) <= 1e-4, name
 
 
+def test_token_balanced_shares_change_where_the_work_runs_not_the_step(run):
+    """Two rows 8x longer than six others: shared r::n, one rank holds both; balanced by tokens,
+    each holds one. The update (loss normalised over the whole mini-batch) is the same either way."""
+    _, _, ranks = run
+    for rank in ranks:
+        shares = rank["shares"]
+        strided, balanced = shares["strided"], shares["balanced"]
+        assert strided["largest_share_tokens"] == 108 and balanced["largest_share_tokens"] == 66, shares
+        for key, value in strided["metrics"].items():
+            assert balanced["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, shares)
+        assert shares["values_diff"] <= 1e-5, shares
+
+
 def test_the_critic_steps_off_the_device_and_back_between_phases(run):
     _, _, ranks = run
     for rank in ranks:

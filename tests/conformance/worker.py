@@ -39,6 +39,8 @@ from critic_adapters.common.engine.config import (
 )
 from critic_adapters.common.parallel.distributed import all_gather_object, barrier, gloo_worker_threads, init_distributed, shutdown
 from critic_adapters.common.engine import RolloutBatch, contract_members
+from critic_adapters.common.parallel.batching import data_parallel_shares
+from critic_adapters.common.tests.helpers import FIELDS
 from critic_adapters.common.engine.registry import BACKENDS, BackendSpec, backend_spec, build_engine, register_backend
 
 # Process-wide things an engine might patch: (module name, attribute). Compared by identity.
@@ -147,6 +149,39 @@ def rollout(rank: int, nan: bool = False) -> RolloutBatch:
     if nan:
         returns[0, 5] = float("nan")
     return RolloutBatch(ids * mask, mask, response, torch.zeros(3, 12), returns)
+
+
+def skewed_rollout() -> RolloutBatch:
+    """Eight rows, two of them 8x the others' length (every rank holds all of them)."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [48, 6, 6, 6, 48, 6, 6, 6]
+    ids = torch.randint(3, 990, (8, 48), generator=g)
+    mask = (torch.arange(48)[None] < torch.tensor(lengths)[:, None]).long()
+    response = mask.clone()
+    response[:, :2] = 0
+    returns = torch.randn(8, 48, generator=g) * response
+    return RolloutBatch(ids * mask, mask, response, torch.zeros(8, 48), returns)
+
+
+def shares_change_where_not_what(engine, checkpoint: str) -> dict:
+    """One update of the skewed mini-batch from the same checkpoint, its rows shared rows r::n and
+    then balanced by tokens (the trainer's data_parallel_shares): the step must not change, only
+    how many tokens the busiest rank holds. Leaves the engine at the checkpoint."""
+    batch = skewed_rollout()
+    n, rank = engine.dp_size, engine.dp_rank
+    ways = {"strided": [torch.arange(r, 8, n) for r in range(n)],
+            "balanced": data_parallel_shares(batch.attention_mask, n)}
+    out = {}
+    for name, shares in ways.items():
+        engine.load_checkpoint(checkpoint)
+        mine = shares[rank]
+        metrics = engine.update(RolloutBatch(*(getattr(batch, f)[mine] for f in FIELDS)))
+        out[name] = {"metrics": {k: metrics[k] for k in ("value_loss", "grad_norm", "explained_variance")},
+                     "values": engine.compute_values(batch.input_ids, batch.attention_mask),
+                     "largest_share_tokens": max(int(batch.attention_mask[s].sum()) for s in shares)}
+    engine.load_checkpoint(checkpoint)
+    out["values_diff"] = float((out["strided"].pop("values") - out["balanced"].pop("values")).abs().max())
+    return out
 
 
 def _outcome(call) -> dict:
@@ -330,6 +365,7 @@ def main() -> None:
     out["old_checkpoint_values_diff"] = float(
         (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_at_save)
         .abs().max())
+    out["shares"] = shares_change_where_not_what(engine, good)
 
     values_before_nan = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     try:
