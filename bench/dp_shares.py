@@ -16,6 +16,7 @@ checkpoint reloaded before each). Reported: the largest share's tokens, and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -73,8 +74,7 @@ def worker(model_dir: str, out_file: str, repeats: int, rows: int, short: int) -
         for name, shares in ways.items():
             engine.load_checkpoint(checkpoint)
             mine = shares[engine.dp_rank]
-            share = type(batch)(*(getattr(batch, f)[mine] for f in ("input_ids", "attention_mask", "response_mask",
-                                                                        "old_values", "returns")))
+            share = type(batch)(**{f.name: getattr(batch, f.name)[mine] for f in dataclasses.fields(batch)})
             barrier(engine.parallel.world_group)
             start = time.perf_counter()
             engine.update(share)

@@ -136,8 +136,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int, timeout_s: float, d
             raise ValueError(f"megatron's process groups in this process are {owner}'s already: build the engine "
                              f"without mesh= to run on them, or close {owner}'s groups first")
         _check_same_layout(parallel)
-        world_group = _USAGE.adopted.world_group if _USAGE.adopted is not None else None
-        mesh, owned = megatron_mesh(parallel, world_group), True
+        mesh, owned = megatron_mesh(parallel), True
     else:
         if mesh is None:
             with groups_time_out_after(timeout_s):
@@ -180,7 +179,7 @@ def release_model_parallel() -> None:
         _USAGE.adopted = None
 
 
-def megatron_mesh(parallel: ParallelConfig, world_group=None) -> ParallelMesh:
+def megatron_mesh(parallel: ParallelConfig) -> ParallelMesh:
     """parallel_state's groups (set by the host, or from an earlier engine's mesh) as a
     common.engine.mesh.ParallelMesh of the engine's own. Its "dp" is data parallel without context
     parallelism: the context-parallel peers of a rank share its rows."""
@@ -191,7 +190,8 @@ def megatron_mesh(parallel: ParallelConfig, world_group=None) -> ParallelMesh:
               TENSOR: parallel_state.get_tensor_model_parallel_group(),
               PIPELINE: parallel_state.get_pipeline_model_parallel_group()}
     # DDP's gradient all-reduce spans the context-parallel ranks too (megatron's dp x cp group).
-    return ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group,
+    # Its world is the default group's: a megatron engine refuses a sub-world (engine.py).
+    return ParallelMesh.from_groups(sizes=sizes, groups=groups,
                                     shard_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 

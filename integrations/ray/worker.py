@@ -14,6 +14,8 @@ import socket
 
 import torch
 
+from ...common.parallel.batching import data_parallel_shares
+
 
 def _share(batch, rows: torch.Tensor):
     return type(batch)(**{field.name: getattr(batch, field.name)[rows] for field in dataclasses.fields(batch)})
@@ -59,8 +61,6 @@ class CriticWorker:
 
     def _rows(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """This data-parallel rank's rows, balanced by tokens as the trainer shares them."""
-        from ...common.parallel.batching import data_parallel_shares
-
         return data_parallel_shares(attention_mask, self.engine.dp_size)[self.engine.dp_rank]
 
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
