@@ -1,12 +1,10 @@
 """Build a sharded critic without any rank but the first holding the whole model.
 
-Every rank builds the critic's module tree on the meta device and shards it; only rank 0 of the
-shard group (the data-parallel ranks, times the Ulysses degree) reads the checkpoint (load_critic:
-any format, the head checks, the load report). Its full state (parameters and buffers, which FSDP
-does not shard: rotary frequencies) is then broadcast tensor by tensor over the shard group into
-the other ranks' shards (common.parallel.shard_state), so a rank other than 0 holds its shard plus one
-tensor in flight — never the whole model, nor the checkpoint's mapped pages. The shard group may be
-a sub-world of the host's ranks: nothing here runs on the default group.
+Every rank builds the critic's module tree with its parameters on the meta device and shards it;
+each rank then reads from the checkpoint the rows of its own shards (common.engine.pipeline.
+build_sharded; checkpoints that cannot be read by slices: rank 0 of the shard group loads the critic
+and broadcasts it tensor by tensor). The shard group (the data-parallel ranks, times the Ulysses
+degree) may be a sub-world of the host's ranks: nothing here runs on the default group.
 
 The configured transforms (common/engine/transforms.py) rewrite the critic between loading and sharding:
 rank 0's loaded copy and every rank's meta tree alike. With one shard rank there is nothing
@@ -21,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...common.engine.mesh import ParallelMesh
-from ...common.engine.pipeline import build_sharded
+from ...common.engine.pipeline import build_sharded, parameters_on_meta
 from ...common.engine.transforms import apply_transforms
 from ...common.valuehead import LoadReport, load_critic
 from ...common.valuehead.config import DECLARED_HEAD, critic_class, install_value_head
@@ -30,10 +28,10 @@ from ...common.valuehead.load import plan_load
 
 def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | None,
                  trust_remote_code: bool, head_prefix: str | None, value_head) -> torch.nn.Module:
-    """The critic's module tree (what load_critic builds), with no storage."""
+    """The critic's module tree (what load_critic builds), its parameters with no storage."""
     plan = plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code, value_head=value_head)
     cls = critic_class(plan.config)
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = cls._from_config(plan.config, attn_implementation=attn_implementation, dtype=dtype)
     return install_value_head(model)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from megatron.core import dist_checkpointing
 
 from . import compat
@@ -23,7 +22,6 @@ from ...common.storage.checkpoints import (
     write_meta,
 )
 from ...common.parallel.distributed import one_outcome
-from ...common.valuehead import save_critic
 
 
 def _sharded_state(ddp_model, optimizer, *, is_loading: bool) -> dict:
@@ -72,12 +70,3 @@ def load_checkpoint(directory: str, engine) -> dict:
             engine.optimizer.load_state_dict(loaded["optimizer"])
         extra = load_trainer_state(directory, engine)
     return extra
-
-
-def write_hf(directory: str, hf_state: dict, critic_class: type, hf_config) -> None:
-    """The HF critic of `hf_state` (a full HF state dict) written to `directory`."""
-    with torch.random.fork_rng(devices=[]):  # the fresh module's init draws on the global RNG
-        critic = critic_class(hf_config)
-    result = critic.load_state_dict(hf_state, strict=True)
-    assert not result.missing_keys and not result.unexpected_keys, result
-    save_critic(critic, directory, overwrite=True)

@@ -15,6 +15,7 @@ Fusions (megatron 0.16, identical in mbridge 0.15.1 and verl):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -140,26 +141,70 @@ def _shard(kind: str, tensors: list[torch.Tensor], s: Shapes, tp_rank: int, tp_s
     raise AssertionError(kind)
 
 
+def _rows(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows of chunk `index` of `total` rows in `parts` (torch.chunk's split)."""
+    size = -(-total // parts)
+    return min(index * size, total), min((index + 1) * size, total)
+
+
+def _read_shard(kind: str, hf_names: tuple[str, ...], read: Callable, rows_of: Callable[[str], int], s: Shapes,
+                tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This tensor rank's part of one megatron tensor, reading from the HF tensors only the rows it
+    needs where its split is by rows (gate/up, the vocabulary); a fused qkv or a row-parallel tensor
+    reads its HF tensors whole (one layer's at a time)."""
+    if kind == "gate_up":
+        return torch.cat([read(n, _rows(rows_of(n), tp_size, tp_rank)) for n in hf_names], dim=0)
+    if kind == "vocab":
+        per_rank = s.padded_vocab // tp_size
+        start, stop = tp_rank * per_rank, min((tp_rank + 1) * per_rank, s.vocab)
+        part = read(hf_names[0], (start, max(start, stop)))
+        padded = part.new_zeros(per_rank, *part.shape[1:])
+        padded[: part.shape[0]] = part
+        return padded
+    return _shard(kind, [read(n, None) for n in hf_names], s, tp_rank, tp_size)
+
+
+def read_partition(read: Callable[[str, tuple[int, int] | None], torch.Tensor], rows_of: Callable[[str], int],
+                   hf_config, traits: FamilyTraits, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's megatron tensors, one at a time, from `read(hf_name, rows)` (common.valuehead.
+    sliced.SlicedCritic.read: only the rows asked for; or a state dict's, state_reader) and
+    `rows_of(hf_name)` (an HF tensor's row count). No more than one layer's HF tensors are ever read."""
+    s = Shapes.of(hf_config, layout.tp_size)
+    for mc_name, (kind, hf_names) in stage_map(traits, layout).items():
+        yield mc_name, _read_shard(kind, hf_names, read, rows_of, s, layout.tp_rank, layout.tp_size).contiguous()
+
+
+def state_reader(hf_state: dict[str, torch.Tensor]) -> tuple[Callable, Callable]:
+    """(read, rows_of) of read_partition over a full HF state dict in memory."""
+    return (lambda name, rows=None: hf_state[name] if rows is None else hf_state[name][rows[0]:rows[1]],
+            lambda name: hf_state[name].shape[0])
+
+
 def hf_to_mcore(hf_state: dict[str, torch.Tensor], hf_config, traits: FamilyTraits,
                 layout: Layout) -> dict[str, torch.Tensor]:
     """This rank's megatron state dict from the full HF critic state dict."""
     check_hf_keys(hf_state, traits, hf_config.num_hidden_layers)
-    s = Shapes.of(hf_config, layout.tp_size)
-    return {mc_name: _shard(kind, [hf_state[n] for n in hf_names], s, layout.tp_rank, layout.tp_size).clone()
-            for mc_name, (kind, hf_names) in stage_map(traits, layout).items()}
+    return {name: tensor.clone() for name, tensor in read_partition(*state_reader(hf_state), hf_config, traits, layout)}
 
 
-def load_into(model: torch.nn.Module, mcore_state: dict[str, torch.Tensor]) -> None:
-    """Copy a converted shard into the model; every parameter must be covered with its exact shape."""
+def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+              names: Iterable[str] | None = None) -> None:
+    """Copy a converted shard into the model, tensor by tensor as `tensors` yields them (a dict, or
+    (name, tensor) pairs whose names are `names`): every parameter must be covered with its exact
+    shape; the names are checked before anything is read."""
+    if isinstance(tensors, dict):
+        names, tensors = list(tensors), tensors.items()
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    missing, leftover = sorted(set(own) - set(mcore_state)), sorted(set(mcore_state) - set(own))
-    bad = sorted(f"{k}: model {tuple(own[k].shape)} vs converted {tuple(v.shape)}"
-                 for k, v in mcore_state.items() if k in own and own[k].shape != v.shape)
-    if missing or leftover or bad:
-        raise ValueError(f"converted megatron state does not fit the model: missing {missing}, "
-                         f"unmapped {leftover}, shape mismatches {bad}")
-    result = model.load_state_dict(mcore_state, strict=False)
-    assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
+    names = set(names)
+    missing, leftover = sorted(set(own) - names), sorted(names - set(own))
+    if missing or leftover:
+        raise ValueError(f"converted megatron state does not fit the model: missing {missing}, unmapped {leftover}")
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"converted megatron state does not fit the model: shape mismatch {name}: model "
+                                 f"{tuple(own[name].shape)} vs converted {tuple(tensor.shape)}")
+            own[name].copy_(tensor)
 
 
 def follow_frozen(model: torch.nn.Module, critic: torch.nn.Module, traits: FamilyTraits, layout: Layout) -> None:
@@ -180,7 +225,7 @@ def follow_frozen(model: torch.nn.Module, critic: torch.nn.Module, traits: Famil
 
 
 # -- back to HF --------------------------------------------------------------------------------------
-def _unshard(kind: str, shards: list[torch.Tensor], s: Shapes, name: str) -> list[torch.Tensor]:
+def unshard(kind: str, shards: list[torch.Tensor], s: Shapes, name: str) -> list[torch.Tensor]:
     if kind == "replicated":
         for other in shards[1:]:
             if not torch.equal(other, shards[0]):
@@ -219,7 +264,7 @@ def mcore_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]], layouts:
         if missing or leftover:
             raise ValueError(f"pipeline stage {pp_rank}: megatron state missing {missing}, unmapped {leftover}")
         for mc_name, (kind, hf_names) in entries.items():
-            for hf_name, tensor in zip(hf_names, _unshard(kind, [o[mc_name] for o in own], s, mc_name)):
+            for hf_name, tensor in zip(hf_names, unshard(kind, [o[mc_name] for o in own], s, mc_name)):
                 hf_state[hf_name] = tensor.contiguous()
     check_hf_keys(hf_state, traits, hf_config.num_hidden_layers)
     return hf_state

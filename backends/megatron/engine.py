@@ -10,8 +10,10 @@ sequences over them inside the engine, inputs.py, and gathers the values back).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
+import itertools
 
 import torch
 import torch.distributed as torch_dist
@@ -31,6 +33,7 @@ from ...common.parallel.batching import MicroBatch
 from ...common.storage.checkpoints import critic_fingerprint
 from ...common.engine.config import EngineConfig
 from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
+from ...common.parallel.host_memory import large_allocations_returned
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.learning.hl_gauss import head_values
 from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
@@ -39,15 +42,19 @@ from ...common.engine.update_step import StepStats, one_update, plan_step, step_
 from ...common.engine.lora import base_state, injected_names, write_adapter
 from ...common.engine.offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from ...common.engine.pipeline import engine_transforms
-from ...common.engine.transforms import apply_transforms, export_state_dict, transform_names
+from ...common.engine.transforms import apply_transforms, export_state_dict, folds_at_export, transform_names
 from ...common.valuehead import load_critic
 from ...common.valuehead.config import head_name
 from ...common.valuehead.load import plan_load
+from ...common.valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
+from ...common.valuehead.save import write_critic
+from ...common.valuehead.sliced import meta_critic, open_sliced
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronCriticEngine(Offloadable):
+    @large_allocations_returned()  # the load's freed tensors go back to the system (host_memory.py)
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
         """`mesh`: the engine's mesh, built with common.engine.mesh.build_mesh(engine.parallel, dist,
         backend="megatron") (which makes megatron-core's groups with it); its groups become
@@ -72,13 +79,19 @@ class MegatronCriticEngine(Offloadable):
         self.traits = check_megatron_config(hf_config, config.parallel, dist.world_size)
         # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
         self.generator = torch.Generator().manual_seed(config.seed)
-        critic, self.load_report = load_critic(
-            model_cfg.path, torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
-            head_prefix=model_cfg.head_prefix, fresh_head=model_cfg.fresh_head,
-            head_init_seed=model_cfg.head_init_seed, value_head=self.support,
-            init_from_scalar_head=model_cfg.init_from_scalar_head)
+        load_kwargs = dict(torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
+                           head_prefix=model_cfg.head_prefix, fresh_head=model_cfg.fresh_head,
+                           head_init_seed=model_cfg.head_init_seed, value_head=self.support,
+                           init_from_scalar_head=model_cfg.init_from_scalar_head)
+        # Each rank reads only its partition's rows from the checkpoint (common.valuehead.sliced); the
+        # HF critic is then a tree on meta (names, shapes and what the transforms freeze). LoRA's base
+        # and adapter weights, and checkpoints that cannot be read by slices, are loaded whole.
+        self._sliced = "engine.lora" if config.lora.rank else open_sliced(model_cfg.path, **load_kwargs)
+        if isinstance(self._sliced, str):
+            critic, self.load_report = load_critic(model_cfg.path, **load_kwargs)
+        else:
+            critic, self.load_report = meta_critic(self._sliced.config, self._sliced.dtype), self._sliced.report
         self.hf_config = critic.config
-        self.critic_class = type(critic)
         # The transforms rewrite the HF critic first (pipeline order: engine.transforms, then LoRA,
         # with peft's init from the engine's seed, the same on every rank); the megatron module then
         # follows: LoRA becomes megatron's adapters (lora.py), and each megatron parameter is frozen
@@ -128,12 +141,21 @@ class MegatronCriticEngine(Offloadable):
         per_stage = self.hf_config.num_hidden_layers // config.parallel.pipeline
         self.layout = convert.Layout(self.tp_rank, tp, self.pp_rank * per_stage, per_stage,
                                      self.first_stage, self.last_stage, te_names=use_te)
-        hf_state = critic.state_dict()
-        mcore_state = convert.hf_to_mcore(base_state(hf_state), self.hf_config, self.traits, self.layout)
+        if isinstance(self._sliced, str):
+            hf_state = critic.state_dict()
+            read = convert.state_reader(base_state(hf_state))
+            convert.check_hf_keys(base_state(hf_state), self.traits, self.hf_config.num_hidden_layers)
+        else:
+            read = self._sliced.read, lambda name: self._sliced.shapes[name][0]
+        names = list(convert.stage_map(self.traits, self.layout))
+        tensors = convert.read_partition(*read, self.hf_config, self.traits, self.layout)
         if config.lora.rank:
             megatron_lora.inject(model, config.lora, self.hf_config, tp, config.parallel.sequence_parallel)
-            mcore_state.update(megatron_lora.hf_to_megatron(hf_state, config.lora, self.layout))
-        convert.load_into(model, mcore_state)
+            lora_state = megatron_lora.hf_to_megatron(hf_state, config.lora, self.layout)
+            names += list(lora_state)
+            tensors = itertools.chain(tensors, lora_state.items())
+        convert.load_into(model, tensors, names)  # tensor by tensor
+        del self._sliced
         if self.transforms:
             convert.follow_frozen(model, critic, self.traits, self.layout)
         model.to(dist.device)
@@ -353,15 +375,66 @@ class MegatronCriticEngine(Offloadable):
         return injected_names(hf_state)
 
     @resident_during
-    def export_hf(self, directory: str) -> None:
-        """Write the critic as a plain HF *ForTokenClassification (fp32) with common.valuehead.save_critic
-        (LoRA folded in: W + alpha / r * B @ A)."""
-        state = self.hf_state_dict()
+    @large_allocations_returned()
+    def export_hf(self, directory: str, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+        """Write the critic as a plain HF *ForTokenClassification (fp32) in safetensors files of at
+        most max_shard_size bytes, one HF tensor at a time as it is gathered over the tensor and
+        pipeline ranks and converted (common/valuehead/save.py: write_critic). With LoRA (folded in:
+        W + alpha / r * B @ A) the whole HF state is gathered on rank 0 first."""
+        if self.transforms and folds_at_export(self.transforms):
+            state = self.hf_state_dict()
+            plain = None if state is None else export_state_dict(state, self.transforms)
+            del state
+            specs = plain and [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in plain.items()]
+            tensors = plain and iter(plain.items())
+        else:
+            plain = meta_critic(self.hf_config, torch.float32).state_dict()
+            specs = [TensorSpec(name, tuple(t.shape), torch.float32) for name, t in plain.items()]
+            tensors = self._iter_hf_tensors()
         with one_outcome(f"exporting {directory}", group=self.parallel.world_group,
                          timeout_s=self.config.collective_timeout_s):
-            if state is not None:  # rank 0 writes; the others wait for it, and raise with its error if it fails
-                checkpoint.write_hf(directory, export_state_dict(state, self.transforms) if self.transforms else state,
-                                    self.critic_class, self.hf_config)
+            if self.dist.is_main:  # rank 0 writes; the others gather with it, and raise with its error if it fails
+                write_critic(self.hf_config, directory, specs, tensors, overwrite=True, max_shard_size=max_shard_size)
+            elif tensors is not None:
+                for _ in tensors:
+                    pass
+
+    def _iter_hf_tensors(self):
+        """The plain HF critic's tensors (fp32, on the CPU) one at a time on global rank 0, each
+        gathered from its tensor-parallel shards on its pipeline stage and converted
+        (convert.unshard); every rank runs it to its end (a gather per megatron tensor)."""
+        world = self.parallel.world_group
+        main, dst = self.dist.is_main, torch_dist.get_global_rank(world, 0)
+        owner = self.dp_rank == 0 and self.cp_rank == 0  # data- and context-parallel replicas hold the same weights
+        own = self.model.module.state_dict() if owner else {}
+        stages = self.config.parallel.pipeline
+        shapes = convert.Shapes.of(self.hf_config, self.config.parallel.tensor)
+        for stage in range(stages):
+            layout = dataclasses.replace(self.layout, tp_rank=0, first_layer=stage * self.layout.num_layers,
+                                         pre_process=stage == 0, post_process=stage == stages - 1)
+            for mc_name, (kind, hf_names) in convert.stage_map(self.traits, layout).items():
+                # Who holds which shard (a few bytes each), then the shards themselves, point to point.
+                mine = own[mc_name].detach().float().contiguous() if owner and self.pp_rank == stage else None
+                where = (self.tp_rank, torch_dist.get_rank(), tuple(mine.shape)) if mine is not None else None
+                holders = [None] * torch_dist.get_world_size(world) if main else None
+                torch_dist.gather_object(where, holders, dst=dst, group=world)
+                if not main:
+                    if mine is not None:
+                        torch_dist.send(mine, dst=dst, group=world)
+                    continue
+                shards = {}
+                for tp_rank, src, shape in sorted(filter(None, holders)):
+                    if src == torch_dist.get_rank():
+                        shards[tp_rank] = mine
+                    else:
+                        shards[tp_rank] = torch.empty(shape, dtype=torch.float32, device=mine.device if mine is not None
+                                                      else self.dist.device)
+                        torch_dist.recv(shards[tp_rank], src=src, group=world)
+                converted = convert.unshard(kind, [shards[r] for r in sorted(shards)], shapes, mc_name)
+                del shards, mine
+                for hf_name, tensor in zip(hf_names, converted):
+                    yield hf_name, tensor.cpu().contiguous()
+                del converted
 
     @resident_during
     def export_adapter(self, directory: str) -> None:

@@ -109,6 +109,8 @@ def parallel_state_for(mesh: ParallelMesh, device_type: str) -> MeshParallelStat
     """VeOmni's ParallelState for an engine on `mesh` (data parallel x Ulysses, FSDP2)."""
     dp, ulysses = mesh.dp_size, mesh.sizes[ULYSSES]
     # device_mesh: VeOmni requires one with Ulysses; every group it asks for comes from `mesh` above.
-    return MeshParallelState(dp_size=dp, dp_replicate_size=1, dp_shard_size=dp, ulysses_size=ulysses,
+    replicate = mesh.replicate_size  # HSDP: VeOmni's dp_replicate x dp_shard, FSDP2 over fsdp_mesh (2-D)
+    return MeshParallelState(dp_size=dp, dp_replicate_size=replicate, dp_shard_size=dp // replicate,
+                             ulysses_size=ulysses,
                              dp_mode="fsdp2", device_type=device_type,
                              device_mesh=mesh.device_mesh or mesh.fsdp_device_mesh(device_type), mesh=mesh)

@@ -28,7 +28,8 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
                                  collective; atomic, fingerprinted (common/storage/checkpoints.py); loading
                                  restores the engine's own RNG, never the process's.
   checkpoint_bytes() -> int      the bytes a save writes (all ranks), for the free-space check
-  export_hf(dir)                 a plain *ForTokenClassification (common.valuehead.save_critic)
+  export_hf(dir, max_shard_size=) a plain *ForTokenClassification, streamed tensor by tensor
+                                 (common.valuehead.save.write_critic)
   load_report                    common.valuehead.LoadReport of the checkpoint the critic came from
   forward_backward / step_optimizer / zero_grad, scheduler
                                  the step in pieces, for a host's own loop and loss (verl's slot)
@@ -168,10 +169,13 @@ class CriticEngine(Protocol):
         degree); returns its extra_state. The process's own RNG is left alone."""
         ...
 
-    def export_hf(self, directory: str) -> None:
+    def export_hf(self, directory: str, *, max_shard_size: int | str = "5GB") -> None:
         """Write the critic as a plain HF *ForTokenClassification directory (num_labels=1; an HL-Gauss
         critic: num_labels=num_bins and its support in config.critic_value_head) (new, or
-        replaced atomically), loadable with AutoModelForTokenClassification."""
+        replaced atomically), loadable with AutoModelForTokenClassification: safetensors files of
+        at most max_shard_size bytes (model.safetensors, or model-0000k-of-0000n.safetensors and
+        model.safetensors.index.json), each tensor written as it is gathered: no rank holds the
+        whole model."""
         ...
 
     def export_adapter(self, directory: str) -> None:

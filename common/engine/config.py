@@ -183,9 +183,14 @@ class ParallelConfig:
     ulysses: int = 1
     """Ulysses sequence-parallel degree (fsdp, veomni): each rank holds 1/N of every micro-batch's
     tokens; attention trades sequence for heads with an all-to-all (common/parallel/ulysses.py)."""
+    replicate: int = 1
+    """Hybrid sharding, HSDP (fsdp, veomni): the data-parallel ranks form this many replicas, each
+    sharding the critic over data / replicate ranks (x ulysses); gradients are reduce-scattered
+    within a replica and all-reduced across replicas. It must divide the data-parallel degree; the
+    rows, the loss and the metrics are the data-parallel ranks' as without it."""
 
     def __post_init__(self):
-        for name in ("tensor", "pipeline", "context", "ulysses"):
+        for name in ("tensor", "pipeline", "context", "ulysses", "replicate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.parallel.{name}={getattr(self, name)} must be >= 1")
         if self.sequence_parallel and self.tensor == 1:

@@ -53,11 +53,13 @@ from . import RolloutBatch, check_batch_inputs, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from .registry import check_engine_config
-from ..parallel.shard_state import gather_full_state
+from ..parallel.host_memory import large_allocations_returned
+from ..parallel.shard_state import gather_full_state, iter_full_state
 from .pipeline import engine_transforms
-from .transforms import export_state_dict, trainable_parameters, transform_names
+from .transforms import export_state_dict, folds_at_export, trainable_parameters, transform_names
 from .update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
-from ..valuehead import save_critic
+from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
+from ..valuehead.save import write_critic
 from ..valuehead.attention import flash_attention_available
 from ..valuehead.values import compute_bin_logits, compute_values
 
@@ -96,6 +98,7 @@ class FSDP2Engine(Offloadable):
     backend: str = ""
     """The registry name (checkpoint meta, config checks); set by each subclass."""
 
+    @large_allocations_returned()  # the build's freed tensors go back to the system (host_memory.py)
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
         check_engine_config(self.backend, config)
         self.config = config
@@ -111,6 +114,9 @@ class FSDP2Engine(Offloadable):
         # The ranks FSDP shards over (dp x sp): checkpoints, exports and gradient averaging use them.
         self.shard_group, self.shard_size = self.parallel.shard_group, self.parallel.shard_size
         self.is_shard_main = self.parallel.shard_rank == 0
+        # With HSDP (engine.parallel.replicate) the state lives on every replica's shard group:
+        # checkpoints and the export's writer span them all (ParallelMesh.state_group).
+        self.state_group, self.is_state_main = self.parallel.state_group, self.parallel.is_state_main
         self.sp_group = self.parallel.groups[ULYSSES] if self.parallel.sizes[ULYSSES] > 1 else None
         # The engine's own randomness (nothing in training draws from it today; saved in checkpoints).
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -223,7 +229,7 @@ class FSDP2Engine(Offloadable):
                                               batch.response_mask[mb.rows].to(device))
                 # FSDP averages gradients over its shard ranks; the loss is already the global mean
                 # (and a Ulysses rank's gradient is only its tokens' share), so undo that.
-                (loss * self.shard_size).backward()
+                (loss * self.parallel.gradient_ranks).backward()
         return stats
 
     @needs_resident(*KINDS)
@@ -254,7 +260,7 @@ class FSDP2Engine(Offloadable):
             loss = None
             if train:
                 loss = loss_fn(values) if mb.rows else raw.sum() * 0.0
-                (loss * (self.shard_size // self.dp_size)).backward()
+                (loss * (self.parallel.gradient_ranks // self.dp_size)).backward()
         if not train:
             self._settle()
         return values.detach(), None if loss is None else loss.detach()
@@ -291,10 +297,10 @@ class FSDP2Engine(Offloadable):
         self._settle()
         state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        main = self.is_shard_main
-        with staged_checkpoint(directory, is_main=main, group=self.shard_group,
+        main = self.is_state_main
+        with staged_checkpoint(directory, is_main=main, group=self.state_group,
                                timeout_s=self.config.collective_timeout_s) as staging:
-            dcp.save(state, checkpoint_id=staging, process_group=self.shard_group)  # the ranks FSDP shards over
+            dcp.save(state, checkpoint_id=staging, process_group=self.state_group)  # the ranks FSDP shards over
             if main:
                 save_trainer_state(staging, self, extra_state or {})
                 write_meta(staging, self.fingerprint, world_size=self.shard_size, backend=self.backend)
@@ -305,7 +311,7 @@ class FSDP2Engine(Offloadable):
         self._settle()
         # Each rank reads the checkpoint's files itself: all agree on what they found before the
         # collective load, and on how the load went after it (common.parallel.distributed.one_outcome).
-        agreed = functools.partial(one_outcome, group=self.shard_group, timeout_s=self.config.collective_timeout_s)
+        agreed = functools.partial(one_outcome, group=self.state_group, timeout_s=self.config.collective_timeout_s)
         with agreed(f"loading checkpoint {directory}"):
             meta = check_meta(directory, self.fingerprint)
             if meta.get("backend") == "megatron":
@@ -314,7 +320,7 @@ class FSDP2Engine(Offloadable):
         with agreed(f"loading checkpoint {directory}"):
             state = {"model": self._model_state(),
                      "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.load(state, checkpoint_id=directory, process_group=self.shard_group)
+            dcp.load(state, checkpoint_id=directory, process_group=self.state_group)
             set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
             extra = load_trainer_state(directory, self)
@@ -336,15 +342,37 @@ class FSDP2Engine(Offloadable):
         return gather_full_state(self.model, group=self.shard_group)
 
     @resident_during
-    def export_hf(self, directory: str) -> None:
-        """Gather the full weights to rank 0 and write the plain critic with save_critic (fp32 master
-        weights; what transforms added is folded back or dropped: common.engine.transforms)."""
-        full = self._full_state()
-        with one_outcome(f"exporting {directory}", group=self.shard_group, timeout_s=self.config.collective_timeout_s):
-            if self.is_shard_main:  # the others wait for it, and raise with its error if it fails
-                plain = export_state_dict(full, engine_transforms(self.config))
+    @large_allocations_returned()
+    def export_hf(self, directory: str, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+        """Write the plain critic (fp32 master weights) as safetensors files of at most max_shard_size
+        bytes, tensor by tensor as each is gathered from the shards (common/valuehead/save.py:
+        write_critic): no rank holds more than one full tensor. Transforms that fold tensors back
+        into the plain critic (LoRA) gather the whole state on the first rank first."""
+        transforms = engine_transforms(self.config)
+        if folds_at_export(transforms):
+            full = self._full_state()
+            plain = None if full is None else export_state_dict(full, transforms)
+            del full
+            specs = plain and [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in plain.items()]
+            tensors = plain and iter(plain.items())
+        else:
+            self._settle()
+            specs = self._export_specs()
+            tensors = iter_full_state(self.model, group=self.shard_group)
+        # Each replica's shard group gathers; the first rank of the whole state writes.
+        with one_outcome(f"exporting {directory}", group=self.state_group, timeout_s=self.config.collective_timeout_s):
+            if self.is_state_main:  # the others gather with it, and raise with its error if it fails
                 with self._export_config():
-                    save_critic(self.model, directory, state_dict=plain, overwrite=True)
+                    write_critic(self.model.config, directory, specs, tensors, overwrite=True,
+                                 max_shard_size=max_shard_size)
+            elif tensors is not None:
+                for _ in tensors:
+                    pass
+
+    def _export_specs(self) -> list[TensorSpec]:
+        """Names, full shapes and dtypes of the plain critic's tensors (no data)."""
+        state = get_model_state_dict(self.model)
+        return [TensorSpec(name, tuple(v.shape), v.dtype) for name, v in state.items()]
 
     @resident_during
     def export_adapter(self, directory: str) -> None:
@@ -357,9 +385,9 @@ class FSDP2Engine(Offloadable):
         from ..valuehead.config import head_name
 
         full = self._full_state()
-        with one_outcome(f"exporting the adapter {directory}", group=self.shard_group,
+        with one_outcome(f"exporting the adapter {directory}", group=self.state_group,
                          timeout_s=self.config.collective_timeout_s):
-            if self.is_shard_main:
+            if self.is_state_main:
                 write_adapter(directory, full, lora, head_name(self.model.config), base_path=self.config.model.path)
 
     @property
@@ -377,7 +405,7 @@ class FSDP2Engine(Offloadable):
         before destroying the process group (common.parallel.distributed.shutdown)."""
         self._offload_state.drop()
         self.model = self.optimizer = self.scheduler = None
-        self.dp_group = self.shard_group = self.sp_group = None  # a closed engine holds no process group
+        self.dp_group = self.shard_group = self.state_group = self.sp_group = None  # a closed engine holds no process group
         self._release_all()
 
     def _release_all(self) -> None:

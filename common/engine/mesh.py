@@ -20,6 +20,11 @@ The sequence-splitting dimensions (context, ulysses) hold the same rows as their
 but different tokens of them, so their gradients add up: an FSDP engine shards over and averages
 gradients across `shard_group` (data x context x ulysses), while the rows, the loss normaliser and
 the metrics stay per data-parallel rank.
+
+Hybrid sharding (engine.parallel.replicate = R > 1, fsdp and VeOmni) splits the data dimension into
+R replicas (outer) of data / R ranks (inner): `shard_group` is then one replica's (data / R x
+context x ulysses), `replicate_group` the ranks holding the same shard in the other replicas, and
+`state_group` all of them (what FSDP2's 2-D mesh spans: DCP, the export's writer, loading).
 """
 
 from __future__ import annotations
@@ -57,6 +62,15 @@ class ParallelMesh:
     ulysses (the data group itself when the sequence is not split)."""
     shard_device_mesh: object = None
     """shard_group as a 1-D DeviceMesh, when the groups came from one (what FSDP2 takes)."""
+    replicate_size: int = 1
+    """HSDP replicas of the data dimension (engine.parallel.replicate)."""
+    replicate_group: object = None
+    """The ranks holding the same shard in every replica (None without HSDP)."""
+    state_group: object = None
+    """Every rank holding a part of the FSDP-sharded state: the replicas' shard groups together
+    (data x context x ulysses); the shard group itself without HSDP."""
+    fsdp_mesh: object = None
+    """The 2-D (replicate, shard) DeviceMesh FSDP2 takes for HSDP (None without HSDP)."""
     library_groups: dict[str, object] = dataclasses.field(default_factory=dict)
     """The further groups a backend's library keeps (megatron-core's model-parallel, tensor x data,
     embedding, gloo copies, ...), by the names its BackendSpec.library_groups gives them: built with
@@ -67,10 +81,23 @@ class ParallelMesh:
         assert set(self.sizes) == set(DIMS) and set(self.coords) == set(DIMS), (self.sizes, self.coords)
         if self.shard_group is None:
             self.shard_group = self.groups.get(DATA)
+        if self.state_group is None:
+            self.state_group = self.shard_group
 
     @property
     def shard_size(self) -> int:
+        """Ranks one copy of the parameters is sharded over (one replica's, with HSDP)."""
+        return self.sizes[DATA] * self.sizes[CONTEXT] * self.sizes[ULYSSES] // self.replicate_size
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks FSDP averages gradients across: data x context x ulysses (every replica)."""
         return self.sizes[DATA] * self.sizes[CONTEXT] * self.sizes[ULYSSES]
+
+    @property
+    def is_state_main(self) -> bool:
+        """The first rank of state_group: the one that writes what the whole state makes (export)."""
+        return self.gradient_ranks == 1 or torch_dist.get_rank(self.state_group) == 0
 
     @property
     def shard_rank(self) -> int:
@@ -106,8 +133,11 @@ class ParallelMesh:
         return _product(self.sizes.values())
 
     def fsdp_device_mesh(self, device_type: str):
-        """shard_group as the 1-D DeviceMesh FSDP2 shards over: the one build_mesh made, or one over
-        the group a host's mesh holds (DeviceMesh.from_group creates no group)."""
+        """The DeviceMesh FSDP2 shards over: with HSDP the 2-D (replicate, shard) one; else
+        shard_group as a 1-D mesh, the one build_mesh made or one over the group a host's mesh
+        holds (DeviceMesh.from_group creates no group)."""
+        if self.fsdp_mesh is not None:
+            return self.fsdp_mesh
         if self.shard_device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -130,10 +160,12 @@ class ParallelMesh:
         self.groups.clear()
         self.library_groups.clear()
         self.world_group = self.device_mesh = self.shard_group = self.shard_device_mesh = None
+        self.replicate_group = self.state_group = self.fsdp_mesh = None
 
     @classmethod
     def from_groups(cls, *, sizes: dict[str, int], groups: dict[str, object], world_group=None,
-                    device_mesh=None, shard_group=None, shard_device_mesh=None) -> "ParallelMesh":
+                    device_mesh=None, shard_group=None, shard_device_mesh=None, replicate_size: int = 1,
+                    replicate_group=None, state_group=None, fsdp_mesh=None) -> "ParallelMesh":
         """A mesh over groups that already exist (a library's, or a host's): the coordinates are this
         rank's index in each group; dimensions not named have degree 1 and a group of this rank alone
         is not needed for them (None)."""
@@ -149,9 +181,11 @@ class ParallelMesh:
         assert split == 1 or shard_group is not None, "a mesh that splits sequences needs its shard group (data x context x ulysses)"
         if shard_group is not None:
             actual = torch_dist.get_world_size(shard_group)
-            assert actual == full_sizes[DATA] * split, f"shard group has {actual} ranks, data x context x ulysses is {full_sizes[DATA] * split}"
+            want = full_sizes[DATA] * split // replicate_size
+            assert actual == want, f"shard group has {actual} ranks, data x context x ulysses / replicate is {want}"
         return cls(full_sizes, coords, full_groups, world_group if world_group is not None else torch_dist.group.WORLD,
-                   device_mesh, shard_group, shard_device_mesh)
+                   device_mesh, shard_group, shard_device_mesh, replicate_size=replicate_size,
+                   replicate_group=replicate_group, state_group=state_group, fsdp_mesh=fsdp_mesh)
 
 
 def check_spans_world(mesh: ParallelMesh, *, who: str, why: str) -> None:
@@ -174,6 +208,10 @@ def mesh_sizes(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     """Degree of each of DIMS for `world_size` ranks; data parallel takes what the others leave."""
     sizes = {dim: getattr(parallel, dim) for dim in MODEL_PARALLEL_DIMS}
     sizes[DATA] = parallel.data_parallel_size(world_size)  # ValueError naming --nproc when it does not divide
+    if sizes[DATA] % parallel.replicate:
+        raise ValueError(f"engine.parallel.replicate={parallel.replicate} must divide the data-parallel degree "
+                         f"{sizes[DATA]} ({world_size} processes over the model-parallel degrees): each replica "
+                         f"shards the critic over data / replicate ranks; use a divisor, or a multiple of --nproc")
     return {dim: sizes[dim] for dim in DIMS}
 
 
@@ -245,12 +283,46 @@ def build_mesh(parallel: ParallelConfig, dist: DistContext, ranks=None, *, backe
             for ranks in ranks_along(full_layout, *dims):
                 existing[tuple(ranks)] = group if dist.rank in ranks else None
         library = _library_groups(spec_groups, full_layout, dist.rank, existing)
+    hsdp = _hsdp_mesh(parallel.replicate, sizes, names, layout, dist.device.type)
     if not inside:
         return None
-    mesh = ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group, device_mesh=device_mesh,
-                                    shard_group=shard_mesh.get_group(), shard_device_mesh=shard_mesh)
+    if hsdp is None:
+        mesh = ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group, device_mesh=device_mesh,
+                                        shard_group=shard_mesh.get_group(), shard_device_mesh=shard_mesh)
+    else:
+        two_d, shard, replicas = hsdp
+        mesh = ParallelMesh.from_groups(sizes=sizes, groups=groups, world_group=world_group, device_mesh=device_mesh,
+                                        shard_group=shard.get_group(), shard_device_mesh=shard,
+                                        replicate_size=parallel.replicate, replicate_group=replicas.get_group(),
+                                        state_group=shard_mesh.get_group(), fsdp_mesh=two_d)
     mesh.library_groups = library
     return mesh
+
+
+def _hsdp_mesh(replicate: int, sizes: dict[str, int], names: tuple[str, ...], layout, device_type: str):
+    """(the 2-D (replicate, shard) DeviceMesh of HSDP, its shard and its replicate 1-D meshes), or
+    None when replicate is 1: the data axis of `layout` split into replicate (outer) x data /
+    replicate (inner), the inner part flattened with context and ulysses into "shard". Collective
+    over the default group, like build_mesh."""
+    if replicate == 1:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shape, split_names = [], []
+    for name in names:
+        if name == DATA:
+            shape += [replicate, sizes[DATA] // replicate]
+            split_names += ["replicate", "data_shard"]
+        else:
+            shape.append(sizes[name])
+            split_names.append(name)
+    mesh = DeviceMesh(device_type, layout.reshape(shape), mesh_dim_names=tuple(split_names))
+    inner = ("data_shard",) + tuple(dim for dim in (CONTEXT, ULYSSES) if dim in names)
+    shard_name = "data_shard"
+    if len(inner) > 1:
+        mesh[inner]._flatten("shard")
+        shard_name = "shard"
+    return mesh[("replicate", shard_name)], mesh[shard_name], mesh["replicate"]
 
 
 def _library_groups_of(backend: str | None):

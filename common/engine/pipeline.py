@@ -10,10 +10,14 @@
                transforms (convert.follow_frozen, LoRA as megatron adapters);
   4. optimize  over the trainable parameters only (common.engine.transforms.trainable_parameters).
 
-With several shard ranks, stages 1 and 2 run on the shard group's first rank only
-(`load_on_first_rank`): every other rank builds the same tree on the meta device, applies the same
-transforms, parallelises it and receives its shards tensor by tensor
-(common.parallel.shard_state.broadcast_state_into) — fsdp and VeOmni alike.
+With several shard ranks (fsdp and VeOmni alike), every rank builds the tree with its parameters on
+the meta device, applies the transforms and parallelises it; stage 1 then reads from the checkpoint
+only the rows of each rank's shards (common.valuehead.sliced: load_critic's decisions from the
+headers, the rows by plain file reads). A checkpoint that cannot be read by slices (.bin weights,
+transformers' weight converters, an adapter to merge) or transforms that add tensors (LoRA) run
+stages 1 and 2 on the shard group's first rank (`load_on_first_rank`), which sends every other rank
+its shards tensor by tensor (common.parallel.shard_state.broadcast_state_into). megatron reads its
+partitions the same way (backends/megatron/convert.py).
 
 At export the transforms run backwards (common.engine.transforms.export_state_dict): the HF export is the
 plain critic whatever the pipeline added. This module decides the transform stage's order; it may
@@ -22,13 +26,15 @@ import common's transform implementations (transforms, lora) and the layers belo
 
 from __future__ import annotations
 
-import pickle
+import contextlib
+
 from collections.abc import Callable
 
 import torch
 
-from ..parallel.distributed import broadcast_object
-from ..parallel.shard_state import broadcast_state_into
+from ..parallel.distributed import broadcast_object, sendable_error
+from ..parallel.host_memory import large_allocations_returned
+from ..parallel.shard_state import broadcast_state_into, fill_from_reader
 from .transforms import apply_transforms
 
 
@@ -41,14 +47,6 @@ def engine_transforms(config) -> list:
 
         items.append(lora_transform(config.lora))
     return items
-
-
-def _picklable(obj) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:  # noqa: BLE001 - any pickling failure means "send a description instead"
-        return False
-    return True
 
 
 def load_on_first_rank(path: str, *, group, rank: int, dtype: torch.dtype, attn_implementation: str | None,
@@ -69,30 +67,77 @@ def load_on_first_rank(path: str, *, group, rank: int, dtype: torch.dtype, attn_
             full_state.update(loaded.named_buffers(remove_duplicate=False))  # rotary inv_freq: not in a state dict
             del loaded
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            error = err if _picklable(err) else RuntimeError(f"{type(err).__name__}: {err}")
+            error = sendable_error(err)
     report, error = broadcast_object((report, error), group=group)
     if error is not None:
         raise error
     return full_state, report
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside have their parameters on the meta device (no storage) and their buffers
+    real: rotary frequencies and other buffers no checkpoint holds are computed as in a plain
+    build. Each parameter is moved as it is registered, before the module's init writes it."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+@large_allocations_returned()
 def build_sharded(path: str, *, shard_group, shard_rank: int, device: torch.device, dtype: torch.dtype,
                   attn_implementation: str | None, load_kwargs: dict, transforms: list,
                   build_tree: Callable[[object], torch.nn.Module],
                   parallelize: Callable[[torch.nn.Module], torch.nn.Module]):
     """(the critic, load_critic's report): the pipeline's load, transform and parallelise stages for
-    an engine whose parameters are sharded over `shard_group` (fsdp, VeOmni). The group's first rank
-    loads and transforms the critic (load_on_first_rank); every rank builds the critic's module tree
-    (`build_tree(report)`, on the meta device for a sharded build), applies the same transforms,
-    parallelises it, materialises what is still on meta on `device`, and receives its part of the
-    first rank's state tensor by tensor. No rank but the first holds more than its shards plus one
-    tensor in flight."""
-    full_state, report = load_on_first_rank(path, group=shard_group, rank=shard_rank, dtype=dtype,
-                                            attn_implementation=attn_implementation, load_kwargs=load_kwargs,
-                                            transform=lambda critic: apply_transforms(critic, transforms))
-    model = parallelize(apply_transforms(build_tree(report), transforms))
-    if any(t.is_meta for t in model.parameters()):
+    an engine whose parameters are sharded over `shard_group` (fsdp, VeOmni). Every rank builds the
+    critic's module tree (`build_tree(report)`: parameters on meta, buffers real), applies the
+    transforms, parallelises it and materialises its shards on `device`; then
+
+      - every rank reads from the checkpoint only the rows of its shards (common.valuehead.sliced),
+        when the checkpoint allows it and every tensor of the transformed tree is one of the
+        critic's (freezing keeps the names; LoRA's new tensors do not);
+      - otherwise the group's first rank loads and transforms the whole critic
+        (load_on_first_rank) and every rank receives its part tensor by tensor.
+
+    Either way no rank but (in the second case) the first holds more than its shards plus one tensor
+    in flight."""
+    from ..valuehead.sliced import open_sliced
+
+    sliced = open_sliced(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
+    transform = lambda critic: apply_transforms(critic, transforms)  # noqa: E731
+    if isinstance(sliced, str):  # read whole: the first rank's load decides the report (and any error)
+        full_state, report = load_on_first_rank(path, group=shard_group, rank=shard_rank, dtype=dtype,
+                                                attn_implementation=attn_implementation, load_kwargs=load_kwargs,
+                                                transform=transform)
+    else:
+        full_state, report = None, sliced.report
+    tree = transform(build_tree(report))
+    # Buffers no checkpoint holds (rotary frequencies), as the tree computed them: to_empty drops them.
+    persistent = set(tree.state_dict())
+    buffers = {name: b.detach().clone() for name, b in tree.named_buffers(remove_duplicate=False)
+               if name not in persistent and not b.is_meta}
+    names = {name for name, _ in tree.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in tree.named_buffers(remove_duplicate=False)} - set(buffers)
+    model = parallelize(tree)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=device)
+    if not isinstance(sliced, str) and names <= set(sliced.shapes):
+        fill_from_reader(model, sliced.read, buffers, group=shard_group)
+        return model, report
+    if not isinstance(sliced, str):  # the transforms added tensors (LoRA): their values come from the first rank
+        full_state, _ = load_on_first_rank(path, group=shard_group, rank=shard_rank, dtype=dtype,
+                                           attn_implementation=attn_implementation, load_kwargs=load_kwargs,
+                                           transform=transform)
     broadcast_state_into(model, full_state, group=shard_group)
     del full_state
     return model, report

@@ -22,7 +22,7 @@ from .config import EngineConfig, ModelConfig, ParallelConfig
 PACKAGE_ROOT = __package__.removesuffix("common.engine").removesuffix(".")
 
 # Model-parallel dimensions a backend may implement (engine.parallel.<name>).
-PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses")
+PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses", "replicate")
 # Engine settings only some backends honour (dotted under engine.), with their neutral values: one
 # set away from it on a backend that ignores it is an error, never silently dropped.
 OPTIONAL_KNOBS: dict[str, object] = {
@@ -80,7 +80,7 @@ class BackendSpec:
 BACKENDS: dict[str, BackendSpec] = {
     "fsdp": BackendSpec(
         factory=".backends.fsdp.engine:FSDPCriticEngine",
-        parallel_dims=frozenset({"ulysses"}),
+        parallel_dims=frozenset({"ulysses", "replicate"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.fsdp.train",
@@ -98,7 +98,7 @@ BACKENDS: dict[str, BackendSpec] = {
     ),
     "veomni": BackendSpec(
         factory=".backends.veomni.engine:VeOmniCriticEngine",
-        parallel_dims=frozenset({"ulysses"}),
+        parallel_dims=frozenset({"ulysses", "replicate"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",

@@ -102,6 +102,12 @@ def export_state_dict(state: dict[str, torch.Tensor], items) -> dict[str, torch.
     return state
 
 
+def folds_at_export(items) -> bool:
+    """Whether a transform maps the transformed critic's state to the plain one (LoRA merges its
+    factors into the base weights): the export then needs the whole state at once."""
+    return any(transform.to_plain is not None for transform in resolve_transforms(items))
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """What an optimizer steps: the parameters a transform left trainable."""
     return [p for p in model.parameters() if p.requires_grad]

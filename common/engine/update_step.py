@@ -14,6 +14,8 @@ once per step, in `StepStats.metrics`. The metric names are part of the engine c
   lr                  the learning rate this step used
   tokens_per_s        non-padding tokens of the mini-batch (all DP ranks) per second of the step
   valid_tokens        response tokens the loss covered
+  value/mean, value/std, return/mean, return/std
+                      the critic's values (before the step) and the returns over the response tokens
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from ..learning.loss import explained_variance_from_sums, hl_gauss_loss_terms, l
 
 # docs/METRICS.md defines each one.
 METRICS = ("value_loss", "mse", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s",
-           "valid_tokens")
-_SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2")
+           "valid_tokens", "value/mean", "value/std", "return/mean", "return/std")
+_SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2", "v", "v2")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,8 +107,10 @@ class StepStats:
             mask = response_mask.bool()
             r = torch.where(mask, returns, 0).double()
             residual = torch.where(mask, returns - predictions, 0).double()
+            v = torch.where(mask, predictions.detach(), 0).double()
             self.sums += torch.stack([loss.detach().double(), clipped.double(), valid.double(), r.sum(),
-                                      (r * r).sum(), residual.sum(), (residual * residual).sum()])
+                                      (r * r).sum(), residual.sum(), (residual * residual).sum(), v.sum(),
+                                      (v * v).sum()])
         return loss
 
     def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group,
@@ -128,7 +132,17 @@ class StepStats:
             "lr": lr,
             "tokens_per_s": reduced[-1] / seconds if seconds > 0 else float("nan"),
             "valid_tokens": g["valid"],
+            **_mean_std("value", g["v"], g["v2"], g["valid"]),
+            **_mean_std("return", g["r"], g["r2"], g["valid"]),
         }
+
+
+def _mean_std(name: str, total: float, squares: float, count: float) -> dict:
+    """Mean and (population) standard deviation from a sum and a sum of squares."""
+    if not count:
+        return {f"{name}/mean": 0.0, f"{name}/std": 0.0}
+    mean = total / count
+    return {f"{name}/mean": mean, f"{name}/std": max(squares / count - mean * mean, 0.0) ** 0.5}
 
 
 def one_update(engine, batch: RolloutBatch, *, dp_group, counts: bool = True) -> dict:

@@ -29,9 +29,10 @@ from ..learning.data import (Rollouts, gae_returns, load_rollouts, make_default_
 from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
-from ..engine.registry import build_engine, check_engine_config, check_layout
+from ..engine.registry import build_engine, check_engine_config, check_layout, model_critic_config
 from ..learning.loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
+from .telemetry import Telemetry
 from .run_lock import check_not_in_use, run_dir_lock
 
 PREPARED = "prepared_rollouts.pt"
@@ -388,6 +389,7 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
     step = position["global_step"]
     batch = config.data.rollout_batch_size
     per_iteration = steps_per_epoch if batch is None else batch // mini  # mini-batches of one PPO iteration
+    telemetry = Telemetry(engine, model_critic_config(config.engine.model), dist.device)
     for epoch in range(position["epoch"], trainer.epochs):
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.engine.seed * 1000 + epoch))
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
@@ -396,10 +398,13 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
         for step_in_epoch in range(first, steps_per_epoch):
             rows = order[step_in_epoch * mini:(step_in_epoch + 1) * mini]
             if refresh and step_in_epoch % per_iteration == 0 and step > 0:  # step 0's: prepare_targets
-                refresh_old_values(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini), config,
-                                   dist, step)
+                with telemetry.compute_values():
+                    refresh_old_values(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini),
+                                       config, dist, step)
             share = data_parallel_shares(train.attention_mask[rows], engine.dp_size)[engine.dp_rank]
-            metrics = engine.update(_batch(train, rows[share]))  # a DP rank's share, balanced by tokens
+            with telemetry.update(train.attention_mask[rows].sum(1)) as measured:
+                metrics = engine.update(_batch(train, rows[share]))  # a DP rank's share, balanced by tokens
+            metrics.update(measured)
             step += 1
             if not math.isfinite(metrics["value_loss"]):
                 # The rollouts were checked finite: the critic's own values have blown up.

@@ -8,6 +8,8 @@ model's collectives run on NCCL. Every collective names its group explicitly.
 
 from __future__ import annotations
 
+import pickle
+
 import contextlib
 import dataclasses
 import datetime
@@ -132,6 +134,15 @@ def all_gather_object(obj, *, group) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def sendable_error(err: BaseException) -> BaseException:
+    """`err` itself when it pickles (to raise it on other ranks), else a RuntimeError naming it."""
+    try:
+        pickle.dumps(err)
+    except Exception:  # noqa: BLE001 - any pickling failure means "send a description instead"
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
 
 
 def barrier(group) -> None:

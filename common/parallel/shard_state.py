@@ -10,10 +10,15 @@ engine's group does not contain.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .distributed import all_gather_object, sendable_error
 
 
 def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -53,17 +58,59 @@ def broadcast_state_into(model: torch.nn.Module, full_state: dict[str, torch.Ten
         del full
 
 
+def local_region(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of the part of the full tensor this rank holds: a DTensor's local shard, or
+    the whole of a plain tensor."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(target.shape), (0,) * target.dim()
+
+
+@torch.no_grad()
+def fill_from_reader(model: torch.nn.Module, read: Callable[[str, tuple[int, int] | None], torch.Tensor],
+                     buffers: dict[str, torch.Tensor], *, group) -> None:
+    """Fill every parameter and persistent buffer of `model` (sharded DTensors or plain tensors,
+    materialised) with the part this rank holds, read by `read(name, (first row, end row))`
+    (common.valuehead.sliced.SlicedCritic.read), and the other buffers from `buffers`. No
+    communication but the agreement at the end: an error on any rank (a corrupt tensor in its
+    rows) is raised on every rank of `group`."""
+    error = None
+    try:
+        for name, target in _targets(model).items():
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if name in buffers:
+                local.copy_(buffers[name])
+                continue
+            shape, offset = local_region(target)
+            part = read(name, (offset[0], offset[0] + shape[0]) if target.dim() else None)
+            for dim in range(1, target.dim()):
+                part = part.narrow(dim, offset[dim], shape[dim])
+            local.copy_(part.reshape(local.shape))
+            del part
+    except Exception as err:  # noqa: BLE001 - raised on every rank below
+        error = sendable_error(err)
+    errors = [e for e in all_gather_object(error, group=group) if e is not None]
+    if errors:
+        raise errors[0]
+
+
 @torch.no_grad()
 def gather_full_state(model: torch.nn.Module, *, group, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The module's full state dict (the names and tensors `model.state_dict()` would have
     unsharded) on the CPU of the rank of index `dst` in `group`, None elsewhere (collective over the
     ranks the tensors are sharded across). Each tensor is gathered, copied to the CPU and dropped
     before the next."""
+    out = dict(iter_full_state(model, group=group, dst=dst))
+    return out if torch_dist.get_rank(group) == dst else None
+
+
+def iter_full_state(model: torch.nn.Module, *, group, dst: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """gather_full_state one tensor at a time: (name, the full tensor on the CPU) on the rank of
+    index `dst` in `group`, (name, None) elsewhere. Every rank must run it to its end (each step
+    is a collective over the ranks the tensor is sharded across)."""
     main = torch_dist.get_rank(group) == dst
-    out: dict[str, torch.Tensor] | None = {} if main else None
     for name, value in get_model_state_dict(model).items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        if main:
-            out[name] = full.detach().to("cpu", copy=True)
+        yield name, (full.detach().to("cpu", copy=True) if main else None)
         del full
-    return out

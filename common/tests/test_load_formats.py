@@ -1,5 +1,8 @@
 """load_critic + compute_values equal the original library's values for every checkpoint format."""
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -7,6 +10,9 @@ from critic_adapters.common.tests import checkpoint_builders as build
 from critic_adapters.common.tests.helpers import assert_close_on_mask, padded_batch, run_pytest, vocab_projection_watch
 from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.common.valuehead.config import critic_head
+from critic_adapters.common.valuehead.errors import CriticLoadError
+from critic_adapters.common.valuehead.sliced import open_sliced
+from critic_adapters.common.learning.hl_gauss import HLGaussSupport
 
 ATOL = 2e-5
 
@@ -95,6 +101,58 @@ def test_fresh_head_on_request_ignores_the_checkpoint_head(tmp_path):
     ids, mask = padded_batch()
     with torch.no_grad():
         assert not torch.allclose(compute_values(model, ids, mask), reference(ids, mask))
+
+
+# -- the same critic, read one slice at a time (common/valuehead/sliced.py) -------------------------
+SLICED_CASES = [(b, k, {}) for b, k, *_ in WITH_HEAD] + [
+    (build.causal_lm, {}, {}), (build.base_model, {}, {}),
+    (build.token_classification, {}, {"fresh_head": True, "head_init_seed": 3}),
+    (build.trl_sidecar, {"suffix": "safetensors"}, {"fresh_head": True}),
+    (build.token_classification, {}, {"value_head": HLGaussSupport(7, -1.0, 1.0, 0.75)}),
+    (build.trl_value_head, {}, {"value_head": HLGaussSupport(7, -1.0, 1.0, 0.75), "init_from_scalar_head": True}),
+    (build.trl_sidecar, {"suffix": "safetensors"}, {"value_head": HLGaussSupport(5, -1.0, 1.0, 0.75),
+                                                    "init_from_scalar_head": True}),
+]
+
+
+@pytest.mark.parametrize("builder,kwargs,options", SLICED_CASES,
+                         ids=[f"{b.__name__}-{'-'.join(map(str, k.values()))}-{'-'.join(o)}" for b, k, o in SLICED_CASES])
+def test_a_sliced_read_is_what_load_critic_loads(tmp_path, builder, kwargs, options):
+    """open_sliced decides what load_critic decides (report, head) from headers alone, and every
+    row range it reads equals load_critic's tensor."""
+    path, _ = builder(str(tmp_path), **kwargs)
+    sliced = open_sliced(path, **options)
+    model, report = load_critic(path, **options)
+    assert not isinstance(sliced, str), sliced
+    assert dataclasses.asdict(sliced.report) == dataclasses.asdict(report)
+    state = model.state_dict()
+    assert set(sliced.shapes) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(sliced.read(name), tensor), name
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if tensor.dim() and rows > 1:
+            assert torch.equal(sliced.read(name, (1, rows)), tensor[1:]), name
+
+
+def test_a_sliced_read_refuses_what_load_critic_refuses(tmp_path):
+    """A corrupt tensor and an unknown head name fail as load_critic fails (or go to it to fail);
+    .bin weights and transformers' own weight conversions are loaded whole."""
+    path, _ = build.token_classification(str(tmp_path / "bin"))
+    model, _ = load_critic(path)
+    torch.save(model.state_dict(), os.path.join(path, "pytorch_model.bin"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    assert "not safetensors (pytorch_model.bin)" in open_sliced(path)
+    path, _ = build.causal_lm(str(tmp_path / "moe"), "qwen2_moe")
+    assert "transformers converts" in open_sliced(path)
+    path, _ = build.unknown_head_name(str(tmp_path / "unknown"))
+    assert "does not use" in open_sliced(path)
+    path, _ = build.token_classification(str(tmp_path / "nan"))
+    model, _ = load_critic(path)
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    model.save_pretrained(path)
+    with pytest.raises(CriticLoadError, match="model.norm.weight holds 1 NaN"):
+        open_sliced(path).read("model.norm.weight", (0, 8))
 
 
 if __name__ == "__main__":

@@ -73,5 +73,63 @@ def test_existing_directory_is_kept_unless_overwrite(tmp_path):
     assert "precious.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
 
 
+def test_a_sharded_save_is_what_transformers_writes_and_reads(tmp_path):
+    """max_shard_size cuts the files as transformers names them; safetensors and plain transformers
+    read them back; tensors may arrive in any order; a missing, doubled or misshapen tensor fails."""
+    from safetensors.torch import load_file
+
+    from critic_adapters.common.valuehead.safetensors_stream import TensorSpec, parse_size
+    from critic_adapters.common.valuehead.save import write_critic
+
+    path, _ = build.token_classification(str(tmp_path / "src"))
+    model, _ = load_critic(path)
+    state = model.state_dict()
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    out = save_critic(model, str(tmp_path / "sharded"), max_shard_size=size // 3)
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-0000{k}-of-0000{len(files)}.safetensors" for k in range(1, len(files) + 1)]
+    assert len(files) >= 3 and index["metadata"]["total_size"] == size
+    read = {}
+    for file in files:  # safetensors' own reader checks the header and the offsets
+        read.update(load_file(os.path.join(out, file)))
+    assert set(read) == set(state) and all(torch.equal(read[k], state[k]) for k in state)
+    plain = AutoModelForTokenClassification.from_pretrained(out).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert_close_on_mask(plain(input_ids=ids, attention_mask=mask).logits.squeeze(-1),
+                             compute_values(model, ids, mask), mask, 1e-6)
+
+    specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    write_critic(model.config, str(tmp_path / "reversed"), specs, reversed(list(state.items())))
+    assert all(torch.equal(t, state[k]) for k, t in load_file(str(tmp_path / "reversed" / "model.safetensors")).items())
+    items = list(state.items())
+    for name, tensors, problem in [("missing", items[:-1], "missing 1 tensors"),
+                                   ("twice", items + items[:1], "written twice"),
+                                   ("shape", [(items[0][0], items[0][1][:1])] + items[1:], "laid out as")]:
+        with pytest.raises(ValueError, match=problem):
+            write_critic(model.config, str(tmp_path / name), specs, iter(tensors))
+        assert not os.path.exists(tmp_path / name)  # nothing half-written
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(7) == 7
+    with pytest.raises(ValueError, match="give bytes as an int or a size like"):
+        parse_size("five")
+
+
+def test_convert_streams_into_sharded_files(tmp_path, capsys):
+    """The CLI's convert reads each tensor from the source's files and writes it at once (no whole
+    model), cut at --max-shard-size; the result equals load_critic's critic."""
+    from critic_adapters.common.valuehead.cli import main
+
+    path, _ = build.trl_value_head(str(tmp_path / "src"))
+    model, _ = load_critic(path)
+    out = str(tmp_path / "out")
+    assert main(["convert", path, out, "--max-shard-size", "100KB"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    again, report = load_critic(out)
+    assert report.format == "hf-token-classification"
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in again.state_dict().items())
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

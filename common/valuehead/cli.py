@@ -3,6 +3,7 @@
   python -m critic_adapters.common.valuehead inspect PATH [--json]
   python -m critic_adapters.common.valuehead convert SRC DST [--dtype bfloat16] [--fresh-head] [--head-prefix P]
                                                              [--adapter ADAPTER_DIR]   # merge a peft LoRA adapter
+                                                             [--max-shard-size 5GB]    # bytes per safetensors file
   python -m critic_adapters.common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
   python -m critic_adapters.common.valuehead values PATH --rollouts FILE --out values.parquet   # a whole rollout file
   python -m critic_adapters.common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
@@ -19,7 +20,7 @@ import sys
 import torch
 
 from ..learning.hl_gauss import describe
-from .config import critic_class, text_hidden_size
+from .config import architecture_name, critic_class, text_hidden_size
 from .errors import CriticLoadError
 from .load import load_critic, plan_load
 
@@ -90,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--fresh-head", action="store_true", help="ignore any head in SRC; start from a fresh one")
     p.add_argument("--adapter", help="a peft LoRA adapter of SRC (engine.export_adapter): merge it and take its head")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file; more is written as model-0000k-of-0000n.safetensors + "
+                        "model.safetensors.index.json (default 5GB)")
     load_options(p)
 
     p = sub.add_parser("values", help="per-token values for some tokens, or for a whole rollout file",
@@ -193,6 +197,28 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     print(f"wrote {out}: values for {len(records)} rollouts ({sum(len(v) for v in values)} tokens); {ALIGNMENT}")
 
 
+def _convert(args) -> tuple[str, object, str]:
+    """SRC to DST tensor by tensor: read from SRC's files and written into DST's as it goes
+    (common/valuehead/sliced.py, save.write_critic), never the whole model in memory; a checkpoint
+    that cannot be read by slices (.bin weights, an adapter to merge) is loaded whole first."""
+    from .save import save_critic, write_critic
+    from .safetensors_stream import TensorSpec, parse_size
+    from .sliced import open_sliced
+
+    options = dict(torch_dtype=DTYPES[args.dtype], head_prefix=args.head_prefix, fresh_head=args.fresh_head,
+                   trust_remote_code=args.trust_remote_code, adapter_path=args.adapter)
+    max_shard_size = parse_size(args.max_shard_size)  # a bad size is refused before anything is read
+    sliced = open_sliced(args.src, **options)
+    if isinstance(sliced, str):
+        model, report = load_critic(args.src, **options)
+        out = save_critic(model, args.dst, max_shard_size=max_shard_size)
+        return out, report, f"{model.config.architectures[0]}, num_labels={model.config.num_labels}"
+    specs = [TensorSpec(name, shape, sliced.dtypes[name]) for name, shape in sliced.shapes.items()]
+    out = write_critic(sliced.config, args.dst, specs, ((spec.name, sliced.read(spec.name)) for spec in specs),
+                       max_shard_size=max_shard_size)
+    return out, sliced.report, f"{architecture_name(sliced.config)}, num_labels={sliced.config.num_labels}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -207,12 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise CriticLoadError(f"{args.dst} already exists and is not empty; convert writes a new directory")
             _refuse_unwritable(args.dst, "directory")  # before loading what may be a large model
 
-            model, report = load_critic(args.src, torch_dtype=DTYPES[args.dtype], head_prefix=args.head_prefix,
-                                        fresh_head=args.fresh_head, trust_remote_code=args.trust_remote_code,
-                                        adapter_path=args.adapter)
+            out, report, architecture = _convert(args)
             print(report)
-            out = save_critic(model, args.dst)
-            print(f"wrote {out} ({model.config.architectures[0]}, num_labels={model.config.num_labels})")
+            print(f"wrote {out} ({architecture})")
         elif args.command == "values":
             load_kwargs = {"head_prefix": args.head_prefix, "trust_remote_code": args.trust_remote_code}
             if args.rollouts:

@@ -155,54 +155,45 @@ def _check_loading_info(path: str, info: dict, detection: Detection, head: str, 
 
 
 @torch.no_grad()
-def _fill_head(model, path: str, index: CheckpointIndex, detection: Detection, fresh_head: bool,
-               head_init_seed: int) -> tuple[str, str]:
-    """Put the head weights in place: from a sidecar, zero bias, or a seeded fresh init."""
-    score = critic_head(model)
+def head_tensors(head: str, weight_shape: tuple[int, ...], config, path: str, index: CheckpointIndex,
+                 detection: Detection, *, fresh_head: bool, head_changes: bool, scalar_source: Detection | None,
+                 head_init_seed: int) -> tuple[dict[str, torch.Tensor], tuple[str, str]]:
+    """({critic key: tensor} for the head tensors load_critic sets after from_pretrained, (head, bias)
+    as the LoadReport says them). `detection` is the one from_pretrained loaded with (head_file None
+    for a new head); `scalar_source` the checkpoint's scalar head an HL-Gauss head starts from.
+      - from a scalar head: the HL-Gauss head centred on it (hl_gauss.from_scalar_head);
+      - another kind of head, not fresh: zero weight and bias (a uniform distribution: every value
+        is the support's centre; the same on every rank with no seed);
+      - fresh, or none stored: a seeded normal init (every rank and run builds the same one);
+      - a sidecar head: read from its file; a format without a bias: zero bias."""
+    weight_key, bias_key = f"{head}.weight", f"{head}.bias"
+    outputs = weight_shape[0]
+    if scalar_source is not None:
+        keys = scalar_source.head_keys
+        if scalar_source.head_file is not None:
+            stored = load_tensors(path, scalar_source.head_file, keys)
+        else:
+            stored = {key: load_tensors(path, index.tensors[key].file, [key])[key] for key in keys}
+        bias = stored[scalar_source.head_bias] if scalar_source.head_bias is not None else None
+        weight, bias = from_scalar_head(stored[scalar_source.head_weight], bias, support_of(config))
+        return {weight_key: weight, bias_key: bias}, ("from-scalar", "from-scalar")
+    if head_changes and not fresh_head:
+        return {weight_key: torch.zeros(weight_shape), bias_key: torch.zeros(outputs)}, ("initialized", "zero")
     if fresh_head or detection.head_weight is None:
-        # Seeded so every rank (and every run) builds the same fresh head, with HF's init scheme.
         generator = torch.Generator().manual_seed(head_init_seed)
-        std = model.config.get_text_config().initializer_range
-        weight = torch.empty(score.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-        score.weight.copy_(weight)
-        score.bias.zero_()
-        return "initialized", "initialized"
+        std = config.get_text_config().initializer_range
+        weight = torch.empty(weight_shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        return {weight_key: weight, bias_key: torch.zeros(outputs)}, ("initialized", "initialized")
+    out = {}
     if detection.head_file is not None:
-        tensors = load_tensors(path, detection.head_file, detection.head_keys)
-        score.weight.copy_(tensors[detection.head_weight])
+        stored = load_tensors(path, detection.head_file, detection.head_keys)
+        out[weight_key] = stored[detection.head_weight]
         if detection.head_bias is not None:
-            score.bias.copy_(tensors[detection.head_bias])
+            out[bias_key] = stored[detection.head_bias]
     if detection.head_bias is None:
-        score.bias.zero_()
-        return "loaded", "zero"
-    return "loaded", "loaded"
-
-
-@torch.no_grad()
-def _zero_head(model) -> tuple[str, str]:
-    """A fresh HL-Gauss head: zero weight and bias, so the distribution is uniform and every value is
-    the support's centre (no seed needed: the same on every rank)."""
-    score = critic_head(model)
-    score.weight.zero_()
-    score.bias.zero_()
-    return "initialized", "zero"
-
-
-@torch.no_grad()
-def _head_from_scalar(model, path: str, index: CheckpointIndex, detection: Detection) -> tuple[str, str]:
-    """The HL-Gauss head centred on the checkpoint's scalar head (hl_gauss.from_scalar_head)."""
-    keys = detection.head_keys
-    if detection.head_file is not None:
-        tensors = load_tensors(path, detection.head_file, keys)
-    else:
-        tensors = {key: load_tensors(path, index.tensors[key].file, [key])[key] for key in keys}
-    weight = tensors[detection.head_weight]
-    bias = tensors[detection.head_bias] if detection.head_bias is not None else None
-    score = critic_head(model)
-    new_weight, new_bias = from_scalar_head(weight, bias, support_of(model.config))
-    score.weight.copy_(new_weight)
-    score.bias.copy_(new_bias)
-    return "from-scalar", "from-scalar"
+        out[bias_key] = torch.zeros(outputs)
+        return out, ("loaded", "zero")
+    return out, ("loaded", "loaded")
 
 
 def _shape_mismatch_message(path: str, index: CheckpointIndex, model_cls, config) -> str:
@@ -374,12 +365,13 @@ def load_critic(
                                           *(k for k, *_ in info["mismatched_keys"] if k in head_keys)})
         info["mismatched_keys"] = [m for m in info["mismatched_keys"] if m[0] not in head_keys]
     missing, unexpected = _check_loading_info(path, info, detection, head_attr, new_head, plan.projections)
-    if scalar_source is not None:
-        head, bias = _head_from_scalar(model, path, index, scalar_source)
-    elif plan.head_changes and not fresh_head:
-        head, bias = _zero_head(model)
-    else:
-        head, bias = _fill_head(model, path, index, detection, fresh_head, head_init_seed)
+    score = critic_head(model)
+    tensors, (head, bias) = head_tensors(head_attr, tuple(score.weight.shape), critic_cfg, path, index, detection,
+                                         fresh_head=fresh_head, head_changes=plan.head_changes,
+                                         scalar_source=scalar_source, head_init_seed=head_init_seed)
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            getattr(score, key.rsplit(".", 1)[1]).copy_(tensor)
     if adapter_path is not None:
         from .adapter import merge_adapter
 

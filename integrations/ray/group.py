@@ -270,8 +270,8 @@ class RayCriticGroup:
     def load_checkpoint(self, directory: str) -> dict:
         return self._call_all("load_checkpoint", _absolute(directory))[0]
 
-    def export_hf(self, directory: str) -> None:
-        self._call_all("export_hf", _absolute(directory))
+    def export_hf(self, directory: str, *, max_shard_size: int | str = "5GB") -> None:
+        self._call_all("export_hf", _absolute(directory), max_shard_size)
 
     def export_adapter(self, directory: str) -> None:
         self._call_all("export_adapter", _absolute(directory))

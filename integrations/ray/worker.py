@@ -113,8 +113,8 @@ class CriticWorker:
     def load_checkpoint(self, directory: str) -> dict:
         return self.engine.load_checkpoint(directory)
 
-    def export_hf(self, directory: str) -> None:
-        self.engine.export_hf(directory)
+    def export_hf(self, directory: str, max_shard_size: int | str) -> None:
+        self.engine.export_hf(directory, max_shard_size=max_shard_size)
 
     def export_adapter(self, directory: str) -> None:
         self.engine.export_adapter(directory)

@@ -28,6 +28,9 @@ def test_the_job_learns_and_a_killed_run_resumes_identically_on_two_ranks_and_on
     evals = [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if r["split"] == "eval"]
     assert evals[0]["explained_variance"] < 0.2 < 0.5 <= evals[-1]["explained_variance"]
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] >= 0 for r in train)
+    # Telemetry (docs/METRICS.md; common/tests/test_telemetry.py checks the numbers): on every row.
+    assert all(0 < r["mfu"] < 1 and r["time/update_s"] > 0 and r["memory/peak_bytes"] > 2**20 for r in train)
+    assert all(r["return/std"] > 0 and r["value/std"] >= 0 for r in train)
     assert (run_dir / "training.png").stat().st_size > 10_000
     assert any((run_dir / "tensorboard").iterdir())
     assert json.load(open(run_dir / "hf_export" / "config.json"))["architectures"] == ["Qwen2ForTokenClassification"]

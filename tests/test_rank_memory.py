@@ -1,0 +1,61 @@
+"""No rank holds the whole model while an engine loads an HF critic or exports one (every backend,
+every two-rank layout): each rank reads only its part of the checkpoint (common/valuehead/sliced.py)
+and the export streams tensor by tensor (common/valuehead/safetensors_stream.py). Measured per rank
+with the kernel's resident high-water mark (common/parallel/host_memory.py), in units of the fp32 model:
+
+  transient at load (the build's peak minus what stays after it)   <= 0.20
+  what stays: fsdp/veomni its parameter shard                     <= 0.60
+              megatron its partition plus DDP's fp32 grad buffer  <= 1.10
+  the export's peak above what the rank held before it            <= 0.30
+
+and the engine's values and its export's values equal plain transformers'. bench/rank_memory.py
+prints the same table at 2 and 4 ranks (its --worker is the torchrun worker here).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from critic_adapters.bench.rank_memory import EXPORT_SHARD, plain_values, probe_batch, ratios, write_critic_model
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import run_torchrun
+
+KEPT = {"fsdp": 0.60, "veomni": 0.60, "megatron": 1.10}
+TRANSIENT, EXPORT = 0.20, 0.30
+CASES = [("fsdp", "data=2"), ("veomni", "data=2"), ("megatron", "tensor=2"), ("megatron", "pipeline=2")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "critic")
+    return path, write_critic_model(path)
+
+
+@pytest.mark.parametrize("backend,layout", CASES, ids=[f"{b}-{l}" for b, l in CASES])
+def test_each_rank_holds_only_its_part(tmp_path, model, backend, layout):
+    path, model_bytes = model
+    run_torchrun(2, "critic_adapters.bench.rank_memory", "--worker", backend, layout, path, str(tmp_path), timeout=900)
+    records = [json.load(open(tmp_path / f"rank{rank}.json")) for rank in range(2)]
+    assert "format       hf-token-classification" in records[0]["report"]
+    mask = probe_batch()[1].bool()
+    expected = plain_values(path)
+    values = torch.tensor(records[0]["values"])
+    assert float((values - expected).abs()[mask].max()) <= 1e-4, "the engine's values"
+    index = json.load(open(tmp_path / "export" / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= -(-model_bytes // EXPORT_SHARD) and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all(os.path.getsize(tmp_path / "export" / f) <= EXPORT_SHARD + 2**16 for f in files)  # + its header
+    exported = plain_values(str(tmp_path / "export"))
+    assert float((exported - values).abs()[mask].max()) <= 1e-4, "the export's values"
+    for rank, record in enumerate(records):
+        r = ratios(record, model_bytes)
+        print(f"{backend} {layout} rank {rank}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+        assert r["transient"] <= TRANSIENT, (rank, r)
+        assert r["kept"] <= KEPT[backend], (rank, r)
+        assert r["export_peak"] <= EXPORT, (rank, r)
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
