@@ -26,7 +26,8 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
 
 
 @pytest.mark.parametrize("module,option", [("critic_update", "--repeats"), ("long_context", "--lengths"),
-                                           ("dp_shares", "--short"), ("offload", "--backends")])
+                                           ("dp_shares", "--short"), ("offload", "--backends"),
+                                           ("scale", "--sweep-tokens"), ("rank_memory", "--ranks")])
 def test_runs_as_a_module(tmp_path, module, option):
     result = _run([sys.executable, "-m", f"critic_adapters.bench.{module}", "--help"], cwd=tmp_path,
                   PYTHONPATH=os.path.dirname(HERE))
@@ -47,6 +48,27 @@ def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["backend"] for r in rows] == ["fsdp", "megatron"]
     assert all(r["bytes"] > 0 and r["resident_bytes_after"] == 0 and r["values_equal_after"] for r in rows), rows
+
+
+def test_the_scale_benchmark_measures_each_run(tmp_path):
+    """bench/scale.py on a tiny config (the fsdp engine at 1 and 2 ranks): every run's update, the
+    1-rank sweep over row lengths and tokens, and the per-backend last line."""
+    import json
+
+    out = tmp_path / "scale.json"
+    config = os.path.join(os.path.dirname(HERE), "common", "testdata", "configs", "qwen2.json")
+    result = _run([sys.executable, "-m", "critic_adapters.bench.scale", "--config", config, "--backends", "fsdp",
+                   "--ranks", "1,2", "--tokens", "64", "--lengths", "32,64", "--sweep-tokens", "32,64",
+                   "--out", str(out)], cwd=tmp_path, PYTHONPATH=os.path.dirname(HERE))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("scale: fsdp mfu=") and "peak/param=" in last, last
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["ranks"]) for r in rows] == [("fsdp", 1), ("fsdp", 2)]
+    sweep = [(s["length"], s["tokens"]) for s in rows[0]["steps"]]
+    assert sweep == [(32, 64), (32, 64), (64, 64), (32, 32)]  # the measured update, then the sweep
+    assert len(rows[1]["steps"]) == 1 and len(rows[1]["load_peak"]) == 2
+    assert all(0 < s["mfu"] < 1 and s["tokens_per_s"] > 0 for r in rows for s in r["steps"])
 
 
 def test_bazel_binary_runs():

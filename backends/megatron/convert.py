@@ -150,10 +150,19 @@ def _rows(total: int, parts: int, index: int) -> tuple[int, int]:
 def _read_shard(kind: str, hf_names: tuple[str, ...], read: Callable, rows_of: Callable[[str], int], s: Shapes,
                 tp_rank: int, tp_size: int) -> torch.Tensor:
     """This tensor rank's part of one megatron tensor, reading from the HF tensors only the rows it
-    needs where its split is by rows (gate/up, the vocabulary); a fused qkv or a row-parallel tensor
-    reads its HF tensors whole (one layer's at a time)."""
+    needs where its split is by rows (qkv: the rank's KV groups, gate/up, the vocabulary); a
+    row-parallel tensor (split by columns) reads its HF tensor whole, one at a time."""
     if kind == "gate_up":
         return torch.cat([read(n, _rows(rows_of(n), tp_size, tp_rank)) for n in hf_names], dim=0)
+    if kind == "qkv" and s.groups % tp_size == 0:  # whole KV groups per rank: their q, k and v rows
+        groups, per_group = s.groups // tp_size, s.heads // s.groups
+        first = tp_rank * groups
+        q, k, v = hf_names
+        local = dataclasses.replace(s, heads=groups * per_group, groups=groups)
+        q_rows = per_group * s.head_dim
+        return _fuse_qkv(read(q, (first * q_rows, (first + groups) * q_rows)),
+                         read(k, (first * s.head_dim, (first + groups) * s.head_dim)),
+                         read(v, (first * s.head_dim, (first + groups) * s.head_dim)), local).flatten(0, 1)
     if kind == "vocab":
         per_rank = s.padded_vocab // tp_size
         start, stop = tp_rank * per_rank, min((tp_rank + 1) * per_rank, s.vocab)

@@ -34,6 +34,7 @@ from ...common.storage.checkpoints import critic_fingerprint
 from ...common.engine.config import EngineConfig
 from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
 from ...common.parallel.host_memory import large_allocations_returned
+from ...common.parallel.shard_state import recv_into, recv_rows, row_pieces, send_rows
 from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
 from ...common.learning.hl_gauss import head_values
 from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
@@ -402,7 +403,8 @@ class MegatronCriticEngine(Offloadable):
     def _iter_hf_tensors(self):
         """The plain HF critic's tensors (fp32, on the CPU) one at a time on global rank 0, each
         gathered from its tensor-parallel shards on its pipeline stage and converted
-        (convert.unshard); every rank runs it to its end (a gather per megatron tensor)."""
+        (convert.unshard); the embedding, split by vocabulary rows, as its row blocks (name, rows,
+        first row), never whole. Every rank runs it to its end (a gather per megatron tensor)."""
         world = self.parallel.world_group
         main, dst = self.dist.is_main, torch_dist.get_global_rank(world, 0)
         owner = self.dp_rank == 0 and self.cp_rank == 0  # data- and context-parallel replicas hold the same weights
@@ -420,16 +422,27 @@ class MegatronCriticEngine(Offloadable):
                 torch_dist.gather_object(where, holders, dst=dst, group=world)
                 if not main:
                     if mine is not None:
-                        torch_dist.send(mine, dst=dst, group=world)
+                        send_rows(mine, dst=dst, group=world)
+                    continue
+                if kind == "vocab":  # the embedding, the largest tensor: written by row pieces, never whole
+                    for tp_rank, src, shape in sorted(filter(None, holders)):
+                        pieces = (((a, mine[a:b]) for a, b in row_pieces(mine)) if src == torch_dist.get_rank() else
+                                  recv_rows(shape, torch.float32, self.dist.device, src=src, group=world))
+                        for start, piece in pieces:
+                            first = tp_rank * shape[0] + start
+                            rows = max(min(piece.shape[0], shapes.vocab - first), 0)  # the padding is dropped
+                            if rows:
+                                yield hf_names[0], piece[:rows].cpu().contiguous(), first
+                            del piece
+                    del mine
                     continue
                 shards = {}
                 for tp_rank, src, shape in sorted(filter(None, holders)):
                     if src == torch_dist.get_rank():
                         shards[tp_rank] = mine
                     else:
-                        shards[tp_rank] = torch.empty(shape, dtype=torch.float32, device=mine.device if mine is not None
-                                                      else self.dist.device)
-                        torch_dist.recv(shards[tp_rank], src=src, group=world)
+                        shards[tp_rank] = recv_into(torch.empty(shape, dtype=torch.float32, device=self.dist.device),
+                                                    src=src, group=world)
                 converted = convert.unshard(kind, [shards[r] for r in sorted(shards)], shapes, mc_name)
                 del shards, mine
                 for hf_name, tensor in zip(hf_names, converted):

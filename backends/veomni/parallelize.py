@@ -61,7 +61,9 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
         mixed_precision=mixed_precision_config(config),
         enable_gradient_checkpointing=config.gradient_checkpointing,
         enable_reentrant=False,
-        basic_modules=list(model._no_split_modules or []),
+        # The input embedding is a unit of its own: VeOmni leaves the root's parameters unsharded
+        # after a forward, and a large vocabulary's embedding is a quarter of a 0.5B critic.
+        basic_modules=[*(model._no_split_modules or []), type(model.get_input_embeddings()).__name__],
         enable_fsdp_offload=offload,
     )
 

@@ -54,7 +54,7 @@ from .mesh import ULYSSES, ParallelMesh
 from .offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from .registry import check_engine_config
 from ..parallel.host_memory import large_allocations_returned
-from ..parallel.shard_state import gather_full_state, iter_full_state
+from ..parallel.shard_state import gather_full_state, iter_state_rows
 from .pipeline import engine_transforms
 from .transforms import export_state_dict, folds_at_export, trainable_parameters, transform_names
 from .update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
@@ -345,9 +345,10 @@ class FSDP2Engine(Offloadable):
     @large_allocations_returned()
     def export_hf(self, directory: str, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
         """Write the plain critic (fp32 master weights) as safetensors files of at most max_shard_size
-        bytes, tensor by tensor as each is gathered from the shards (common/valuehead/save.py:
-        write_critic): no rank holds more than one full tensor. Transforms that fold tensors back
-        into the plain critic (LoRA) gather the whole state on the first rank first."""
+        bytes, each rank's row shards sent to the writing rank and written in place one at a time
+        (common/valuehead/save.py: write_critic; shard_state.iter_state_rows): no rank holds more
+        than a shard of one tensor beyond its own. Transforms that fold tensors back into the plain
+        critic (LoRA) gather the whole state on the first rank first."""
         transforms = engine_transforms(self.config)
         if folds_at_export(transforms):
             full = self._full_state()
@@ -358,7 +359,7 @@ class FSDP2Engine(Offloadable):
         else:
             self._settle()
             specs = self._export_specs()
-            tensors = iter_full_state(self.model, group=self.shard_group)
+            tensors = iter_state_rows(self.model, group=self.shard_group)
         # Each replica's shard group gathers; the first rank of the whole state writes.
         with one_outcome(f"exporting {directory}", group=self.state_group, timeout_s=self.config.collective_timeout_s):
             if self.is_state_main:  # the others gather with it, and raise with its error if it fails

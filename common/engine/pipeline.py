@@ -132,6 +132,10 @@ def build_sharded(path: str, *, shard_group, shard_rank: int, device: torch.devi
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=device)
     if not isinstance(sliced, str) and names <= set(sliced.shapes):
+        unfilled = sorted(set(sliced.shapes) - names)
+        if unfilled:  # as broadcast_state_into: a tensor the module lacks is an error, never dropped
+            raise ValueError(f"the critic's tree has no {unfilled[:5]}, which the checkpoint's critic has: the "
+                             f"backend built a different model")
         fill_from_reader(model, sliced.read, buffers, group=shard_group)
         return model, report
     if not isinstance(sliced, str):  # the transforms added tensors (LoRA): their values come from the first rank

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .distributed import all_gather_object, sendable_error
@@ -114,3 +114,85 @@ def iter_full_state(model: torch.nn.Module, *, group, dst: int = 0) -> Iterator[
         full = value.full_tensor() if isinstance(value, DTensor) else value
         yield name, (full.detach().to("cpu", copy=True) if main else None)
         del full
+
+
+def _by_rows(value: DTensor) -> bool:
+    """Sharded by rows (dim 0) on one mesh dimension and replicated on the others (FSDP2, HSDP)."""
+    shards = [p for p in value.placements if isinstance(p, Shard)]
+    return (value.dim() > 0 and len(shards) == 1 and shards[0].dim == 0
+            and all(isinstance(p, (Shard, Replicate)) for p in value.placements))
+
+
+@torch.no_grad()
+def iter_state_rows(model: torch.nn.Module, *, group, dst: int = 0) -> Iterator[tuple]:
+    """The module's state dict for a writer on the rank of index `dst` in `group` (the ranks the
+    state is sharded across), as common.valuehead.safetensors_stream takes it: (name, rows,
+    first_row) pieces of each rank's row block of a tensor sharded by rows, sent to `dst` point to
+    point and never assembled whole; any other tensor gathered whole and given by row pieces (views
+    on the CPU). On the CPU.
+    Elsewhere it yields nothing, but every rank of `group` must run it to its end."""
+    rank = torch_dist.get_rank(group)
+    main = rank == dst
+    to = torch_dist.get_global_rank(group, dst)
+    for name, value in get_model_state_dict(model).items():
+        if not isinstance(value, DTensor) or not _by_rows(value):
+            full = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+            if main and full.dim():  # by row pieces: views of it on the CPU, copies from a GPU
+                for start, stop in row_pieces(full):
+                    yield name, full[start:stop].cpu(), start
+            elif main:
+                yield name, full.cpu()
+            del full
+            continue
+        local = value.to_local()
+        shape, offset = local_region(value)
+        blocks = all_gather_object((offset[0], shape[0]), group=group)  # where every rank's rows are
+        if not main:
+            send_rows(local, dst=to, group=group)
+            continue
+        for source, (first_row, rows) in enumerate(blocks):
+            if source == rank:
+                pieces = ((start, local[start:stop].detach().to("cpu", copy=True)) for start, stop in row_pieces(local))
+            else:
+                pieces = recv_rows((rows, *value.shape[1:]), local.dtype, local.device,
+                                   src=torch_dist.get_global_rank(group, source), group=group)
+            for start, piece in pieces:
+                yield name, piece.cpu(), first_row + start
+                del piece
+
+
+PIECE_BYTES = 32 * 2**20
+"""Row blocks travel and are written in pieces of at most this many bytes (at least a row): the
+writing rank never holds a whole shard of the largest tensor (a large vocabulary's embedding is a
+quarter of a 0.5B critic), nor does gloo stage one."""
+
+
+def row_pieces(tensor_or_shape) -> list[tuple[int, int]]:
+    """[start, stop) row ranges of at most PIECE_BYTES each (the same on sender and receiver)."""
+    shape = tuple(tensor_or_shape.shape) if torch.is_tensor(tensor_or_shape) else tuple(tensor_or_shape[0])
+    itemsize = tensor_or_shape.element_size() if torch.is_tensor(tensor_or_shape) else tensor_or_shape[1].itemsize
+    rows = shape[0] if shape else 0
+    per_row = max(itemsize * (int(torch.Size(shape[1:]).numel()) if len(shape) > 1 else 1), 1)
+    step = max(PIECE_BYTES // per_row, 1)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def send_rows(tensor: torch.Tensor, *, dst: int, group) -> None:
+    """Send `tensor` to global rank `dst` by row pieces (recv_rows receives them)."""
+    for start, stop in row_pieces(tensor):
+        torch_dist.send(tensor[start:stop].contiguous(), dst=dst, group=group)
+
+
+def recv_rows(shape: tuple[int, ...], dtype: torch.dtype, device, *, src: int, group) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, piece) of a tensor of `shape` sent by send_rows from global rank `src`."""
+    for start, stop in row_pieces((shape, dtype)):
+        piece = torch.empty((stop - start, *shape[1:]), dtype=dtype, device=device)
+        torch_dist.recv(piece, src=src, group=group)
+        yield start, piece
+
+
+def recv_into(tensor: torch.Tensor, *, src: int, group) -> torch.Tensor:
+    """Receive a tensor sent by send_rows into `tensor` (contiguous, of its shape), piece by piece."""
+    for start, stop in row_pieces(tensor):
+        torch_dist.recv(tensor[start:stop], src=src, group=group)
+    return tensor

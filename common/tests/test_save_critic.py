@@ -103,8 +103,17 @@ def test_a_sharded_save_is_what_transformers_writes_and_reads(tmp_path):
     specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in state.items()]
     write_critic(model.config, str(tmp_path / "reversed"), specs, reversed(list(state.items())))
     assert all(torch.equal(t, state[k]) for k, t in load_file(str(tmp_path / "reversed" / "model.safetensors")).items())
+    # A tensor that arrives by row blocks (its shards, in any order) is written in place.
+    big = max(state, key=lambda k: state[k].numel())
+    rows = state[big].shape[0]
+    blocks = [(big, state[big][rows // 3:], rows // 3), (big, state[big][:rows // 3], 0)]
+    write_critic(model.config, str(tmp_path / "rows"), specs, [*blocks, *((k, t) for k, t in state.items() if k != big)])
+    assert torch.equal(load_file(str(tmp_path / "rows" / "model.safetensors"))[big], state[big])
     items = list(state.items())
     for name, tensors, problem in [("missing", items[:-1], "missing 1 tensors"),
+                                   ("rows_twice", items + [blocks[1]], "written twice"),
+                                   ("overlap", [blocks[0], blocks[0], *(i for i in items if i[0] != big)],
+                                    "more rows written"),
                                    ("twice", items + items[:1], "written twice"),
                                    ("shape", [(items[0][0], items[0][1][:1])] + items[1:], "laid out as")]:
         with pytest.raises(ValueError, match=problem):

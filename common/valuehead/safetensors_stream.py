@@ -81,6 +81,7 @@ class StreamingSafetensorsWriter:
             [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
         self._where: dict[str, tuple[str, int, TensorSpec]] = {}
         self._pending = {s.name for s in specs}
+        self._rows: dict[str, int] = {}  # rows written so far of tensors written by rows
         self.directory = directory
         for file, shard in zip(self.files, shards):
             header, offset = {}, 0
@@ -107,44 +108,61 @@ class StreamingSafetensorsWriter:
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, first_row: int | None = None) -> None:
+        """Write tensor `name` whole, or (first_row given) rows [first_row, first_row + len) of it:
+        a tensor gathered from row shards is written shard by shard, never whole in memory."""
         if name not in self._where:
             raise ValueError(f"{name} is not one of the tensors this export was laid out for")
         if name not in self._pending:
             raise ValueError(f"{name} was written twice")
         path, offset, spec = self._where[name]
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+        whole = first_row is None
+        rows = tensor.shape[0] if tensor.dim() else 1
+        expected = spec.shape if whole else (rows, *spec.shape[1:])
+        if tuple(tensor.shape) != tuple(expected) or tensor.dtype != spec.dtype or (
+                not whole and (not spec.shape or not 0 <= first_row <= first_row + rows <= spec.shape[0])):
+            where = "" if whole else f" rows {first_row}..{first_row + rows}"
             raise ValueError(f"{name}: laid out as {spec.dtype} {list(spec.shape)}, given {tensor.dtype} "
-                             f"{list(tensor.shape)}")
+                             f"{list(tensor.shape)}{where}")
+        row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         with open(path, "r+b") as f:
-            f.seek(offset)
+            f.seek(offset + (0 if whole else first_row * row_bytes))
             f.write(memoryview(data.numpy()))
-        self._pending.discard(name)
+        total = spec.shape[0] if spec.shape else 1
+        done = self._rows.get(name, 0) + (total if whole else rows)
+        if done > total:
+            raise ValueError(f"{name}: more rows written than it has ({done} of {total})")
+        if done == total:
+            self._pending.discard(name)
+            self._rows.pop(name, None)
+        else:
+            self._rows[name] = done
 
     def close(self) -> None:
-        """Check that every tensor laid out was written."""
+        """Check that every tensor laid out was written (every row of those written by rows)."""
         if self._pending:
             raise ValueError(f"the export is missing {len(self._pending)} tensors (e.g. {sorted(self._pending)[:3]})")
 
 
-def write_streaming(directory: str, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]], *,
+def write_streaming(directory: str, specs: list[TensorSpec], tensors: Iterable[tuple], *,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
-    """Write `tensors` (name, tensor pairs, each dropped once written) laid out by `specs`; returns
-    the files written. `tensors` is always run to its end, even after an error (the error is
+    """Write `tensors` laid out by `specs`: (name, tensor) pairs, or (name, rows, first_row) for
+    a tensor that arrives by row blocks (its shards), each dropped once written; returns the files
+    written. `tensors` is always run to its end, even after an error (the error is
     raised then): ranks that produce it together (each tensor gathered from shards) finish together."""
     error = None
     try:
         writer = StreamingSafetensorsWriter(directory, specs, max_shard_size=max_shard_size)
     except Exception as err:  # noqa: BLE001 - raised once the other ranks are done
         error, writer = err, None
-    for name, tensor in tensors:
+    for item in tensors:
         if error is None:
             try:
-                writer.write(name, tensor)
+                writer.write(*item)
             except Exception as err:  # noqa: BLE001 - as above
                 error = err
-        del tensor
+        del item
     if error is None:
         writer.close()
         return writer.files

@@ -123,7 +123,7 @@ def meta_critic(config, dtype: torch.dtype, attn: str | None = None) -> torch.nn
         return install_value_head(cls._from_config(config, attn_implementation=attn, dtype=dtype))
 
 
-def _critic_names(path: str, index, detection, model, key_mapping) -> tuple[dict[str, str], str | None]:
+def _critic_names(index, model, key_mapping: dict[str, str]) -> tuple[dict[str, str], str | None]:
     """({critic name: checkpoint key} as from_pretrained renames them, None) or ({}, why not)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
@@ -165,7 +165,7 @@ def open_sliced(path: str, *, torch_dtype: torch.dtype = torch.float32, attn_imp
     attn = select_attn_implementation(critic_class(config), attn_implementation)
     model = meta_critic(config, torch_dtype, attn)
     key_mapping = detection.key_mapping(head_attr, include_head=not new_head)
-    names, why = _critic_names(path, index, detection, model, key_mapping)
+    names, why = _critic_names(index, model, key_mapping)
     if why:
         return why
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
