@@ -104,7 +104,7 @@ def test_the_launcher_refuses_them_before_starting_any_process(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: the fsdp backend does not implement engine.parallel.pipeline=2 (offered by backend=megatron); "
-        "it offers data parallel and engine.parallel.ulysses: unset the key, or choose a backend that offers it"], \
+        "it offers data parallel and engine.parallel.replicate, engine.parallel.ulysses: unset the key, or choose a backend that offers it"], \
         result.stderr
     assert not run_dir.exists()
     other = launch_in_process(f"trainer.run_dir={run_dir}", "backend=megatron", "--dry-run")
