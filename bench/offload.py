@@ -48,10 +48,11 @@ def save_model(directory: str, model: dict) -> str:
     return directory
 
 
-def rollout(rows: int, length: int, vocab: int):
+def rollout(rows: int, length: int, vocab: int, seed: int = 1):
+    """Random rows of `length` tokens, the second half of each a response with random returns."""
     from critic_adapters.common.engine import RolloutBatch
 
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (rows, length), generator=g)
     mask = torch.ones(rows, length, dtype=torch.long)
     response = torch.zeros(rows, length, dtype=torch.long)

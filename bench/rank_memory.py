@@ -88,19 +88,21 @@ def probe_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def worker(backend: str, layout: str, model_dir: str, workdir: str) -> None:
+def layout_sizes(layout: str) -> dict[str, int]:
+    """ParallelConfig sizes of a LAYOUT argument (`data=` is what the others leave)."""
+    return {key: int(value) for key, value in (item.split("=") for item in layout.split(",")) if key != "data"}
+
+
+def measured_build(backend: str, config, dist, workdir: str):
+    """(the engine, the MemoryWindow of its build) on every rank. One build of a tiny critic of the
+    same family comes first: the imports and process-wide buffers the backend sets up once are not
+    what a rank holds of this model."""
     import torch.distributed as torch_dist
 
-    from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from critic_adapters.common.engine.config import ModelConfig
     from critic_adapters.common.engine.registry import build_engine
-    from critic_adapters.common.parallel.distributed import init_distributed, shutdown
     from critic_adapters.common.parallel.host_memory import MemoryWindow
 
-    dist = init_distributed()
-    sizes = {key: int(value) for key, value in (item.split("=") for item in layout.split(",")) if key != "data"}
-    config = EngineConfig(model=ModelConfig(path=model_dir), parallel=ParallelConfig(**sizes))
-    # One build of a tiny critic of the same family first: the imports and process-wide buffers the
-    # backend sets up once are not what a rank holds of this model.
     warmup = os.path.join(workdir, "warmup")
     if dist.is_main:
         write_critic_model(warmup, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
@@ -110,6 +112,19 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str) -> None:
     with MemoryWindow() as build:
         engine = build_engine(backend, config, dist)
         torch_dist.barrier()
+    return engine, build
+
+
+def worker(backend: str, layout: str, model_dir: str, workdir: str) -> None:
+    import torch.distributed as torch_dist
+
+    from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from critic_adapters.common.parallel.distributed import init_distributed, shutdown
+    from critic_adapters.common.parallel.host_memory import MemoryWindow
+
+    dist = init_distributed()
+    config = EngineConfig(model=ModelConfig(path=model_dir), parallel=ParallelConfig(**layout_sizes(layout)))
+    engine, build = measured_build(backend, config, dist, workdir)
     ids, mask = probe_batch()
     values = engine.compute_values(ids, mask)
     torch_dist.barrier()

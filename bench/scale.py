@@ -23,7 +23,6 @@ ranks that shard it). The first backend at 1 rank then times updates of 4096 tok
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -56,49 +55,27 @@ def write_model(config_file: str, directory: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def rollout(rows: int, length: int, vocab: int, seed: int):
-    from critic_adapters.common.engine import RolloutBatch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, length), generator=g)
-    mask = torch.ones(rows, length, dtype=torch.long)
-    response = torch.zeros(rows, length, dtype=torch.long)
-    response[:, length // 4:] = 1
-    returns = torch.randn(rows, length, generator=g) * response
-    return RolloutBatch(ids, mask, response, torch.zeros(rows, length), returns)
-
-
 def worker(backend: str, layout: str, model_dir: str, workdir: str, plan_json: str) -> None:
     """One backend at one layout: the build, a warm-up update, the planned updates, the export."""
     import torch.distributed as torch_dist
 
     from critic_adapters.common.engine.config import (BatchingConfig, EngineConfig, ModelConfig, OptimConfig,
                                                       ParallelConfig)
-    from critic_adapters.common.engine.registry import build_engine, model_critic_config
+    from critic_adapters.bench.offload import rollout
+    from critic_adapters.bench.rank_memory import layout_sizes, measured_build
+    from critic_adapters.common.engine.registry import model_critic_config
     from critic_adapters.common.job.telemetry import ModelShape, device_peak
     from critic_adapters.common.parallel.batching import data_parallel_shares
     from critic_adapters.common.parallel.distributed import all_reduce, init_distributed, shutdown
     from critic_adapters.common.parallel.host_memory import MemoryWindow
 
     dist = init_distributed()
-    sizes = {key: int(value) for key, value in (item.split("=") for item in layout.split(",")) if key != "data"}
     plan = [tuple(step) for step in json.loads(plan_json)]
     config = EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-5),
                           batching=BatchingConfig(micro_batch_tokens=max(length for length, _ in plan)),
-                          gradient_checkpointing=True, parallel=ParallelConfig(**sizes))
+                          gradient_checkpointing=True, parallel=ParallelConfig(**layout_sizes(layout)))
     world = torch_dist.group.WORLD
-    # One build of a tiny critic first: the backend's imports and process-wide buffers are not the model's.
-    from critic_adapters.bench.rank_memory import write_critic_model
-
-    warmup = os.path.join(workdir, "warmup")
-    if dist.is_main:
-        write_critic_model(warmup, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
-    torch_dist.barrier()
-    build_engine(backend, dataclasses.replace(config, model=ModelConfig(path=warmup)), dist).close()
-    torch_dist.barrier()
-    with MemoryWindow() as build:
-        engine = build_engine(backend, config, dist)
-        torch_dist.barrier()
+    engine, build = measured_build(backend, config, dist, workdir)
     critic_config = model_critic_config(config.model)
     vocab = critic_config.vocab_size
     shape = ModelShape.of(engine, critic_config)

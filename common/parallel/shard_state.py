@@ -101,19 +101,14 @@ def gather_full_state(model: torch.nn.Module, *, group, dst: int = 0) -> dict[st
     unsharded) on the CPU of the rank of index `dst` in `group`, None elsewhere (collective over the
     ranks the tensors are sharded across). Each tensor is gathered, copied to the CPU and dropped
     before the next."""
-    out = dict(iter_full_state(model, group=group, dst=dst))
-    return out if torch_dist.get_rank(group) == dst else None
-
-
-def iter_full_state(model: torch.nn.Module, *, group, dst: int = 0) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """gather_full_state one tensor at a time: (name, the full tensor on the CPU) on the rank of
-    index `dst` in `group`, (name, None) elsewhere. Every rank must run it to its end (each step
-    is a collective over the ranks the tensor is sharded across)."""
     main = torch_dist.get_rank(group) == dst
+    out: dict[str, torch.Tensor] | None = {} if main else None
     for name, value in get_model_state_dict(model).items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        yield name, (full.detach().to("cpu", copy=True) if main else None)
+        if main:
+            out[name] = full.detach().to("cpu", copy=True)
         del full
+    return out
 
 
 def _by_rows(value: DTensor) -> bool:
