@@ -55,7 +55,8 @@ def critic_run(backend: str, config, dist, mesh, batch_file: str, out_dir: str) 
 
 # megatron layouts at 4 ranks whose parallel_state the mesh must build exactly as megatron-core does.
 MEGATRON_LAYOUTS = ({"tensor": 2, "pipeline": 2}, {"tensor": 2, "context": 2}, {"pipeline": 2, "context": 2},
-                    {"tensor": 2}, {"pipeline": 2}, {"context": 2}, {})
+                    {"tensor": 2}, {"pipeline": 2}, {"context": 2}, {}, {"expert": 2}, {"expert": 4},
+                    {"tensor": 2, "expert": 2}, {"pipeline": 2, "expert": 2}, {"context": 2, "expert": 2})
 
 
 def megatron_state_snapshot() -> dict:
@@ -87,7 +88,8 @@ def megatron_groups_from_the_mesh_vs_megatrons_own(dist) -> dict:
         parallelize._unadopt()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.get("tensor", 1),
                                                  pipeline_model_parallel_size=layout.get("pipeline", 1),
-                                                 context_parallel_size=layout.get("context", 1))
+                                                 context_parallel_size=layout.get("context", 1),
+                                                 expert_model_parallel_size=layout.get("expert", 1))
         theirs = megatron_state_snapshot()
         parallel_state.destroy_model_parallel()
         out[str(layout)] = (ours, theirs)

@@ -4,7 +4,8 @@ megatron-core assumes CUDA in a handful of places (measured in shared/notes/mega
 `enable_cpu_shims()` patches them (`disable_cpu_shims()` puts every original back when the last
 engine using them closes), and `cuda_to_cpu()` is a context manager for the code paths
 that allocate with `device="cuda"` (optimizer construction and step, the pipeline schedules).
-Both do nothing when CUDA is available: on GPU this backend runs plain megatron-core.
+Both do nothing when CUDA is available (on GPU this backend runs plain megatron-core), but for one
+name megatron's MoE router needs whenever TransformerEngine is absent (_without_te_shims).
 
 The shims, and why each exists (in megatron-core 0.16.1):
   1. RNG tracker: `model_parallel_cuda_manual_seed` uses torch.cuda RNG states, and every attention
@@ -21,7 +22,10 @@ The shims, and why each exists (in megatron-core 0.16.1):
      state and the tracker states are still saved and restored.
   8. The tensor-parallel linears advise setting CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream
      setting) once per process: marked as already given while the shims are installed.
-  9. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
+  9. MoE's all-to-all token dispatcher (MoEAlltoAllTokenDispatcher) makes a CUDA side stream when
+     the first one is built, and copies its split sizes to the host on it: a stand-in stream
+     object, and the copies made in place (the same host values, numpy splits included).
+ 10. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
      `pin_memory`, `pin_memory=True`) to cpu, for FP32Optimizer and the schedules (there, context
      parallelism's rotary slicing, get_pos_emb_on_this_cp_rank, builds a pinned CUDA index).
 megatron's distributed optimizer cannot run on CPU (it checks tensor type strings):
@@ -155,16 +159,53 @@ def fallback_warnings_off():
         yield
 
 
+_DTOH_FIELDS = (("input_splits", True), ("output_splits", True), ("output_splits_tp", True),
+                ("num_out_tokens", False), ("num_global_tokens_per_local_expert", False))
+
+
+def _dispatcher_to_host(self, point: str, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize without CUDA streams: at the copy
+    point, the split sizes become numpy arrays as on GPU (the rest stay host tensors); nothing to
+    wait for at the sync point."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name, as_numpy in _DTOH_FIELDS:
+            value = getattr(self, name, None)
+            if as_numpy and torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+class _NoStream:
+    """Where megatron keeps its CUDA side stream (never used on CPU: _dispatcher_to_host)."""
+
+
+_ABSENT = object()  # an attribute the shim adds (removed again on disable)
+
+
+def _without_te_shims() -> list[tuple[object, str, object]]:
+    """Installed whenever TransformerEngine is absent (CPU, or a GPU without it): megatron-core
+    0.16.1's MoE router gating (moe_utils.RouterGatingLinearFunction) tests `te_general_gemm is not
+    None`, a name it defines only when TE imports (NameError otherwise); None takes its plain matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return [] if hasattr(moe_utils, "te_general_gemm") else [(moe_utils, "te_general_gemm", None)]
+
+
 def _shims() -> list[tuple[object, str, object]]:
-    """(owner, attribute, replacement) of shims 2-8."""
+    """(owner, attribute, replacement) of shims 2-9, and those of _without_te_shims."""
+    if not cpu_mode():
+        return _without_te_shims()
     from megatron.core import utils as mcore_utils
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import layers as mp_layers
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    return [
+    return _without_te_shims() + [
+        (MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _NoStream()),
+        (MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", _dispatcher_to_host),
         (rotary_pos_embedding.RotaryEmbedding, "get_emb", _rope_get_emb),
         (mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor),
         (torch.cuda, "current_device", lambda: torch.device("cpu")),
@@ -179,16 +220,14 @@ def _shims() -> list[tuple[object, str, object]]:
 
 
 def enable_cpu_shims() -> None:
-    """Install shims 2-8 (a no-op with CUDA). Call before building the model; every call needs its
-    disable_cpu_shims() (engines alive at once share one installation)."""
+    """Install shims 2-9 (with CUDA only those for an absent TransformerEngine). Call before building
+    the model; every call needs its disable_cpu_shims() (engines alive at once share one installation)."""
     global _USERS
-    if not cpu_mode():
-        return
     _USERS += 1
     if _USERS > 1:
         return
     for owner, name, replacement in _shims():
-        _ORIGINALS.append((owner, name, getattr(owner, name)))
+        _ORIGINALS.append((owner, name, getattr(owner, name, _ABSENT)))
         setattr(owner, name, replacement)
 
 
@@ -196,14 +235,17 @@ def disable_cpu_shims() -> None:
     """Undo enable_cpu_shims once the last engine that enabled them is closed: every patched
     function is the original again."""
     global _USERS
-    if not cpu_mode() or _USERS == 0:
+    if _USERS == 0:
         return
     _USERS -= 1
     if _USERS:
         return
     while _ORIGINALS:
         owner, name, original = _ORIGINALS.pop()
-        setattr(owner, name, original)
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
 
 def _is_cuda(device) -> bool:

@@ -16,8 +16,28 @@ from transformers import PretrainedConfig
 from ...common.engine.config import EngineConfig, ParallelConfig
 
 # Families whose HF layout maps onto a megatron-core GPTModel with our converter (convert.py):
-# RMSNorm, SwiGLU, rotary, GQA; what differs between them is only the attention extras.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# RMSNorm, SwiGLU, rotary, GQA; what differs between them is the attention extras and, for the
+# MoE families, megatron-core's MoE layer in place of the MLP.
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoETraits:
+    """A mixture-of-experts family's MLP, as megatron-core's MoELayer builds it."""
+
+    experts: int
+    top_k: int
+    ffn_size: int
+    """Each routed expert's intermediate size."""
+    normalize_top_k: bool
+    """The top-k routing weights renormalised to sum to 1 (mixtral always; qwen when norm_topk_prob):
+    megatron's top-k before the softmax; else softmax over every expert, then top-k (pre-softmax)."""
+    shared_ffn_size: int | None
+    """qwen2_moe's shared expert (its intermediate size), always with a sigmoid gate."""
+    moe_layers: tuple[bool, ...]
+    """Per HF layer: an MoE layer, or the family's dense MLP (qwen's mlp_only_layers, decoder_sparse_step)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,7 +45,28 @@ class FamilyTraits:
     qkv_bias: bool
     """q/k/v projections carry a bias (qwen2 always; llama/mistral/qwen3 when attention_bias)."""
     qk_norm: bool
-    """RMSNorm over each query/key head (qwen3)."""
+    """RMSNorm over each query/key head (qwen3, qwen3_moe)."""
+    moe: MoETraits | None = None
+    """The experts of a MoE family; None for a dense one."""
+
+
+def moe_traits(hf_config: PretrainedConfig) -> MoETraits | None:
+    """The experts of a mixtral / qwen2_moe / qwen3_moe config (None for other families)."""
+    model_type, layers = hf_config.model_type, hf_config.num_hidden_layers
+    if model_type == "mixtral":
+        return MoETraits(experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+                         ffn_size=hf_config.intermediate_size, normalize_top_k=True, shared_ffn_size=None,
+                         moe_layers=(True,) * layers)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        dense_only, step = set(getattr(hf_config, "mlp_only_layers", None) or ()), hf_config.decoder_sparse_step
+        moe_layers = tuple(i not in dense_only and hf_config.num_experts > 0 and (i + 1) % step == 0
+                           for i in range(layers))
+        shared = getattr(hf_config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else None
+        return MoETraits(experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
+                         ffn_size=hf_config.moe_intermediate_size,
+                         normalize_top_k=bool(getattr(hf_config, "norm_topk_prob", False)),
+                         shared_ffn_size=shared or None, moe_layers=moe_layers)
+    return None
 
 
 def family_traits(hf_config: PretrainedConfig) -> FamilyTraits:
@@ -34,9 +75,8 @@ def family_traits(hf_config: PretrainedConfig) -> FamilyTraits:
         raise ValueError(
             f"the megatron backend does not support model_type={model_type!r}; supported: "
             f"{', '.join(SUPPORTED_FAMILIES)} (use backend=fsdp for other families)")
-    if model_type == "qwen2":
-        return FamilyTraits(qkv_bias=True, qk_norm=False)
-    return FamilyTraits(qkv_bias=bool(getattr(hf_config, "attention_bias", False)), qk_norm=model_type == "qwen3")
+    qkv_bias = model_type in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False))
+    return FamilyTraits(qkv_bias=qkv_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"), moe=moe_traits(hf_config))
 
 
 def head_dim(hf_config: PretrainedConfig) -> int:
@@ -73,8 +113,9 @@ def check_megatron_config(hf_config: PretrainedConfig, parallel: ParallelConfig,
     if heads % tp or groups % tp:
         raise ValueError(f"engine.parallel.tensor={tp} must divide the attention heads ({heads}) and the key/value "
                          f"heads ({groups}) of {hf_config.model_type}; pick a divisor of {groups}")
-    if hf_config.intermediate_size % tp:
+    if (traits.moe is None or not all(traits.moe.moe_layers)) and hf_config.intermediate_size % tp:
         raise ValueError(f"engine.parallel.tensor={tp} must divide intermediate_size={hf_config.intermediate_size}")
+    check_moe_layout(hf_config, traits.moe, parallel, world_size)
     if pp > layers:
         raise ValueError(f"engine.parallel.pipeline={pp} is more than the model's {layers} layers; use at most {layers}")
     if layers % pp:
@@ -92,6 +133,40 @@ def check_megatron_config(hf_config: PretrainedConfig, parallel: ParallelConfig,
     return traits
 
 
+def check_moe_layout(hf_config: PretrainedConfig, moe: MoETraits | None, parallel: ParallelConfig,
+                     world_size: int) -> None:
+    """Expert parallelism and the router settings this backend reproduces exactly."""
+    ep, tp = parallel.expert, parallel.tensor
+    if moe is None:
+        if ep != 1:
+            raise ValueError(f"engine.parallel.expert={ep}: {hf_config.model_type} has no experts (a dense model); "
+                             f"set engine.parallel.expert=1")
+        return
+    if moe.experts % ep:
+        raise ValueError(f"engine.parallel.expert={ep} must divide the {moe.experts} experts of "
+                         f"{hf_config.model_type}; pick a divisor of {moe.experts}")
+    # Experts are split over the data x context ranks of a pipeline stage (megatron's expert grid
+    # tensor-expert-data-pipeline, with the experts' tensor parallelism that of the dense layers).
+    model_parallel = tp * parallel.pipeline * parallel.context
+    if world_size % model_parallel == 0 and (world_size // model_parallel * parallel.context) % ep:
+        raise ValueError(f"engine.parallel.expert={ep} must divide the data x context parallel degree "
+                         f"({world_size // model_parallel * parallel.context} of {world_size} processes): experts "
+                         f"are spread over the data-parallel ranks; launch a multiple of {model_parallel * ep} "
+                         f"processes or lower engine.parallel.expert")
+    if tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(f"engine.parallel.tensor={tp} on the mixture-of-experts {hf_config.model_type} needs "
+                         f"engine.parallel.sequence_parallel=true (megatron-core's MoE layer trains tensor-parallel "
+                         f"only with the sequence split over the tensor ranks); set sequence_parallel: true")
+    for name, size in (("moe_intermediate_size", moe.ffn_size), ("shared_expert_intermediate_size",
+                                                                  moe.shared_ffn_size or 0)):
+        if size % tp:
+            raise ValueError(f"engine.parallel.tensor={tp} must divide {name}={size} (the experts are split over "
+                             f"the tensor-parallel ranks too)")
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        raise ValueError(f"router_jitter_noise={hf_config.router_jitter_noise}: the megatron backend routes "
+                         f"without input jitter; set it to 0 in config.json or use backend=fsdp")
+
+
 def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: int) -> None:
     """The BackendSpec hook (common/engine/registry.py): what check_megatron_config refuses, before any
     process starts (the launcher's and dry run's check)."""
@@ -99,6 +174,15 @@ def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: 
     check_megatron_transforms(config.transforms)
     if config.lora.rank:
         check_megatron_targets(config.lora.target_modules)
+        check_megatron_lora(family_traits(hf_config), hf_config)
+
+
+def check_megatron_lora(traits: FamilyTraits, hf_config: PretrainedConfig) -> None:
+    """LoRA on megatron adapts the dense linears (lora.py); megatron-core's experts take no adapter here."""
+    if traits.moe is not None:
+        raise ValueError(f"engine.lora on {hf_config.model_type}: the megatron backend has no LoRA for mixture-of-"
+                         f"experts critics (its adapters wrap the dense linears, not megatron-core's experts); use "
+                         f"backend=fsdp, whose LoRA adapts the attention and, through peft, the experts")
 
 
 # The HF projections the megatron backend's LoRA adapts (lora.py: one adapter per part of a megatron linear).
@@ -123,6 +207,30 @@ def check_megatron_transforms(names) -> None:
         raise ValueError(f"engine.transforms names {rewriting}, which add or rename parameters: the megatron backend "
                          f"converts the HF critic's parameters by name and takes transforms that only freeze "
                          f"(freeze_embeddings, freeze_backbone, ...); use backend fsdp or veomni for this one")
+
+
+def moe_arguments(moe: MoETraits | None, parallel: ParallelConfig) -> dict:
+    """TransformerConfig's MoE fields: HF's routing (softmax router, top-k, renormalised or not),
+    per-expert SwiGLU MLPs run one after another (no grouped GEMM kernels: CPU and GPU alike), no
+    token dropping, no load-balancing loss (a critic trains on the value loss alone)."""
+    if moe is None:
+        return {}
+    freq = [int(is_moe) for is_moe in moe.moe_layers]
+    return dict(
+        num_moe_experts=moe.experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_size,
+        moe_router_pre_softmax=not moe.normalize_top_k,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=moe.shared_ffn_size,
+        moe_shared_expert_gate=moe.shared_ffn_size is not None,
+        moe_layer_freq=freq if not all(freq) else 1,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.tensor,
+    )
 
 
 def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu: bool):
@@ -161,7 +269,9 @@ def transformer_config(hf_config: PretrainedConfig, config: EngineConfig, *, cpu
         pipeline_dtype=dtype,
         bf16=bf16,
         variable_seq_lengths=True,  # micro-batches differ in length; PP stages exchange shapes first
-        moe_token_dispatcher_type="alltoall",  # unused (dense); "allgather" refuses variable_seq_lengths
+        # "allgather" refuses variable_seq_lengths; the all-to-all runs on gloo (CPU) and NCCL alike.
+        moe_token_dispatcher_type="alltoall",
+        **moe_arguments(traits.moe, parallel),
         use_cpu_initialization=cpu,
         # Every weight is then overwritten from the HF critic, but megatron 0.16.1 only tags sharded
         # weights `tensor_model_parallel` inside its init functions: without them the grad norm

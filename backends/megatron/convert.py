@@ -16,10 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
 from .config import FamilyTraits, head_dim
+
+class Entry(NamedTuple):
+    """One megatron tensor: how it is sharded or fused, and the HF tensors it is made of."""
+
+    kind: str
+    hf_names: tuple[str, ...]
+    expert: int | None = None
+    """For a routed expert's tensor (kinds expert_gate_up, expert_row): its row in the fused HF
+    tensors (transformers 5 keeps every expert of a layer in one [experts, ...] tensor)."""
+
 
 # megatron name (inside decoder.layers.{j}.) -> (kind, HF names inside model.layers.{i}.)
 LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -32,8 +43,23 @@ LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+}
+DENSE_MLP_MAP = {
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+}
+# An MoE layer's MLP (megatron-core's MoELayer with SequentialMLP experts): the router, then each
+# local expert i (global expert ep_rank * local + i) from its row of the fused HF tensors.
+ROUTER_MAP = {"mlp.router.weight": ("replicated", ("mlp.gate.weight",))}
+EXPERT_MAP = {
+    "linear_fc1.weight": ("expert_gate_up", ("mlp.experts.gate_up_proj",)),  # [experts, 2 * ffn, H]: gate; up
+    "linear_fc2.weight": ("expert_row", ("mlp.experts.down_proj",)),  # [experts, H, ffn]
+}
+SHARED_EXPERT_MAP = {  # qwen2_moe
+    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ("mlp.shared_expert.gate_proj.weight",
+                                                         "mlp.shared_expert.up_proj.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_expert.down_proj.weight",)),
+    "mlp.shared_experts.gate_weight": ("replicated", ("mlp.shared_expert_gate.weight",)),
 }
 FIRST_STAGE_MAP = {"embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))}
 LAST_STAGE_MAP = {
@@ -41,11 +67,13 @@ LAST_STAGE_MAP = {
     "output_layer.weight": ("replicated", ("score.weight",)),
     "output_layer.bias": ("replicated", ("score.bias",)),
 }
-# TransformerEngine's spec fuses the two norms into the linears that follow them.
+# TransformerEngine's spec fuses the two norms into the linears that follow them (an MoE layer
+# keeps its own pre-MLP norm).
 TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
+EXPERT_KINDS = ("expert_gate_up", "expert_row")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +87,9 @@ class Layout:
     pre_process: bool
     post_process: bool
     te_names: bool = False
+    ep_rank: int = 0
+    ep_size: int = 1
+    """Expert parallelism: this rank holds routed experts [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,31 +107,46 @@ class Shapes:
                    -(-vocab // tp_size) * tp_size)
 
 
-def _layer_entries(traits: FamilyTraits) -> dict[str, tuple[str, tuple[str, ...]]]:
+def _layer_entries(traits: FamilyTraits, layer: int, layout: Layout) -> dict[str, Entry]:
+    """megatron name (inside the layer) -> Entry with HF names inside model.layers.{layer}."""
     skip = set()
     if not traits.qkv_bias:
         skip.add("self_attention.linear_qkv.bias")
     if not traits.qk_norm:
         skip |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
-    return {name: entry for name, entry in LAYER_MAP.items() if name not in skip}
+    moe = traits.moe if traits.moe is not None and traits.moe.moe_layers[layer] else None
+    entries = {name: Entry(*entry) for name, entry in LAYER_MAP.items() if name not in skip}
+    if moe is None:
+        entries.update({name: Entry(*entry) for name, entry in DENSE_MLP_MAP.items()})
+    else:
+        entries.update({name: Entry(*entry) for name, entry in ROUTER_MAP.items()})
+        local = moe.experts // layout.ep_size
+        for i in range(local):
+            for name, (kind, hf_names) in EXPERT_MAP.items():
+                entries[f"mlp.experts.local_experts.{i}.{name}"] = Entry(kind, hf_names, layout.ep_rank * local + i)
+        if moe.shared_ffn_size:
+            entries.update({name: Entry(*entry) for name, entry in SHARED_EXPERT_MAP.items()})
+    if layout.te_names:
+        renames = dict(TE_NAMES) if moe is None else {"input_layernorm.weight": TE_NAMES["input_layernorm.weight"]}
+        entries = {renames.get(name, name): entry for name, entry in entries.items()}
+    return {name: entry._replace(hf_names=tuple(f"model.layers.{layer}.{n}" for n in entry.hf_names))
+            for name, entry in entries.items()}
 
 
-def stage_map(traits: FamilyTraits, layout: Layout) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """megatron name -> (kind, full HF names) for every tensor of this rank's stage."""
-    entries = dict(FIRST_STAGE_MAP) if layout.pre_process else {}
+def stage_map(traits: FamilyTraits, layout: Layout) -> dict[str, Entry]:
+    """megatron name -> Entry (kind, full HF names, expert row) for every tensor of this rank's stage."""
+    entries = {name: Entry(*entry) for name, entry in FIRST_STAGE_MAP.items()} if layout.pre_process else {}
     for j in range(layout.num_layers):
-        i = layout.first_layer + j
-        for name, (kind, hf_names) in _layer_entries(traits).items():
-            mc_name = TE_NAMES.get(name, name) if layout.te_names else name
-            entries[f"decoder.layers.{j}.{mc_name}"] = (kind, tuple(f"model.layers.{i}.{n}" for n in hf_names))
+        for name, entry in _layer_entries(traits, layout.first_layer + j, layout).items():
+            entries[f"decoder.layers.{j}.{name}"] = entry
     if layout.post_process:
-        entries.update(LAST_STAGE_MAP)
+        entries.update({name: Entry(*entry) for name, entry in LAST_STAGE_MAP.items()})
     return entries
 
 
 def expected_hf_keys(traits: FamilyTraits, num_layers: int) -> set[str]:
     full = Layout(0, 1, 0, num_layers, True, True)
-    return {n for _, names in stage_map(traits, full).values() for n in names}
+    return {n for entry in stage_map(traits, full).values() for n in entry.hf_names}
 
 
 def check_hf_keys(hf_state: dict[str, torch.Tensor], traits: FamilyTraits, num_layers: int) -> None:
@@ -147,11 +193,18 @@ def _rows(total: int, parts: int, index: int) -> tuple[int, int]:
     return min(index * size, total), min((index + 1) * size, total)
 
 
-def _read_shard(kind: str, hf_names: tuple[str, ...], read: Callable, rows_of: Callable[[str], int], s: Shapes,
+def _read_shard(entry: Entry, read: Callable, rows_of: Callable[[str], int], s: Shapes,
                 tp_rank: int, tp_size: int) -> torch.Tensor:
     """This tensor rank's part of one megatron tensor, reading from the HF tensors only the rows it
-    needs where its split is by rows (qkv: the rank's KV groups, gate/up, the vocabulary); a
-    row-parallel tensor (split by columns) reads its HF tensor whole, one at a time."""
+    needs where its split is by rows (qkv: the rank's KV groups, gate/up, the vocabulary, a routed
+    expert's row of the fused expert tensors); a row-parallel tensor (split by columns) reads its HF
+    tensor whole, one at a time."""
+    kind, hf_names = entry.kind, entry.hf_names
+    if kind in EXPERT_KINDS:
+        expert = read(hf_names[0], (entry.expert, entry.expert + 1))[0]
+        if kind == "expert_gate_up":  # [gate; up] of this expert, each split over the tensor ranks
+            return _shard("gate_up", list(expert.chunk(2, dim=0)), s, tp_rank, tp_size)
+        return _shard("row", [expert], s, tp_rank, tp_size)
     if kind == "gate_up":
         return torch.cat([read(n, _rows(rows_of(n), tp_size, tp_rank)) for n in hf_names], dim=0)
     if kind == "qkv" and s.groups % tp_size == 0:  # whole KV groups per rank: their q, k and v rows
@@ -179,8 +232,8 @@ def read_partition(read: Callable[[str, tuple[int, int] | None], torch.Tensor], 
     sliced.SlicedCritic.read: only the rows asked for; or a state dict's, state_reader) and
     `rows_of(hf_name)` (an HF tensor's row count). No more than one layer's HF tensors are ever read."""
     s = Shapes.of(hf_config, layout.tp_size)
-    for mc_name, (kind, hf_names) in stage_map(traits, layout).items():
-        yield mc_name, _read_shard(kind, hf_names, read, rows_of, s, layout.tp_rank, layout.tp_size).contiguous()
+    for mc_name, entry in stage_map(traits, layout).items():
+        yield mc_name, _read_shard(entry, read, rows_of, s, layout.tp_rank, layout.tp_size).contiguous()
 
 
 def state_reader(hf_state: dict[str, torch.Tensor]) -> tuple[Callable, Callable]:
@@ -224,7 +277,8 @@ def follow_frozen(model: torch.nn.Module, critic: torch.nn.Module, traits: Famil
 
     trainable = base_state({name: p.requires_grad for name, p in critic.named_parameters()})
     params = dict(model.named_parameters())
-    for mc_name, (_, hf_names) in stage_map(traits, layout).items():
+    for mc_name, entry in stage_map(traits, layout).items():
+        hf_names = entry.hf_names
         flags = {trainable[name] for name in hf_names if name in trainable}
         if len(flags) > 1:
             raise ValueError(f"the transforms freeze some of {list(hf_names)} but not all; megatron fuses them into "
@@ -248,32 +302,50 @@ def unshard(kind: str, shards: list[torch.Tensor], s: Shapes, name: str) -> list
         q, k, v = fused.split([per_group * s.head_dim, s.head_dim, s.head_dim], dim=1)
         return [q.reshape(s.heads * s.head_dim, *rest), k.reshape(s.groups * s.head_dim, *rest),
                 v.reshape(s.groups * s.head_dim, *rest)]
-    if kind == "gate_up":
+    if kind in ("gate_up", "expert_gate_up"):
         halves = [shard.chunk(2, dim=0) for shard in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
-    if kind == "row":
+        gate, up = torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)
+        return [gate, up] if kind == "gate_up" else [torch.cat([gate, up], dim=0)]  # an expert's row: gate; up
+    if kind in ("row", "expert_row"):
         return [torch.cat(shards, dim=1)]
     if kind == "vocab":
         return [torch.cat(shards, dim=0)[: s.vocab]]
     raise AssertionError(kind)
 
 
-def mcore_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]], layouts: dict[tuple[int, int], Layout],
+def mcore_to_hf(shards: dict[object, dict[str, torch.Tensor]], layouts: dict[object, Layout],
                 hf_config, traits: FamilyTraits) -> dict[str, torch.Tensor]:
-    """The full HF critic state dict from every rank's megatron state, keyed by (pp_rank, tp_rank)."""
+    """The full HF critic state dict from every rank's megatron state: `shards` and `layouts` keyed
+    alike (e.g. by (pp_rank, tp_rank)), one of each tensor rank of every pipeline stage and expert
+    rank. A routed expert's tensors fill its row of the fused [experts, ...] HF tensors."""
     tp_size = next(iter(layouts.values())).tp_size
     s = Shapes.of(hf_config, tp_size)
     hf_state: dict[str, torch.Tensor] = {}
-    for pp_rank in sorted({pp for pp, _ in layouts}):
-        ranks = [(pp_rank, tp) for tp in range(tp_size)]
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    by_part: dict[tuple[int, int], dict[int, object]] = {}  # (first layer, ep rank) -> {tp rank: key}
+    for key, layout in layouts.items():
+        by_part.setdefault((layout.first_layer, layout.ep_rank), {})[layout.tp_rank] = key
+    for (first_layer, ep_rank), keys in sorted(by_part.items()):
+        ranks = [keys[tp] for tp in sorted(keys)]
         entries = stage_map(traits, layouts[ranks[0]])
         own = [{k: v for k, v in shards[r].items() if not k.endswith("_extra_state")} for r in ranks]
         leftover = sorted(set(own[0]) - set(entries))
         missing = sorted(set(entries) - set(own[0]))
         if missing or leftover:
-            raise ValueError(f"pipeline stage {pp_rank}: megatron state missing {missing}, unmapped {leftover}")
-        for mc_name, (kind, hf_names) in entries.items():
-            for hf_name, tensor in zip(hf_names, unshard(kind, [o[mc_name] for o in own], s, mc_name)):
-                hf_state[hf_name] = tensor.contiguous()
+            raise ValueError(f"pipeline stage from layer {first_layer}, expert rank {ep_rank}: megatron state missing "
+                             f"{missing}, unmapped {leftover}")
+        for mc_name, entry in entries.items():
+            if entry.expert is None and ep_rank:
+                continue  # expert ranks hold copies of everything but their experts
+            tensors = unshard(entry.kind, [o[mc_name] for o in own], s, mc_name)
+            for hf_name, tensor in zip(entry.hf_names, tensors):
+                if entry.expert is None:
+                    hf_state[hf_name] = tensor.contiguous()
+                else:
+                    experts.setdefault(hf_name, {})[entry.expert] = tensor
+    for hf_name, rows in experts.items():
+        if sorted(rows) != list(range(len(rows))):
+            raise ValueError(f"{hf_name}: the megatron states hold experts {sorted(rows)}, not every one")
+        hf_state[hf_name] = torch.stack([rows[e] for e in range(len(rows))]).contiguous()
     check_hf_keys(hf_state, traits, hf_config.num_hidden_layers)
     return hf_state

@@ -26,7 +26,8 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
 
     from . import checkpoint, compat, convert, parallelize
     from . import lora as megatron_lora
-    from .config import check_megatron_config, check_megatron_targets, check_megatron_transforms, transformer_config
+    from .config import (check_megatron_config, check_megatron_lora, check_megatron_targets, check_megatron_transforms,
+                         transformer_config)
     from .inputs import model_inputs
     from .value_model import build_value_model, te_available
 from ...common.parallel.batching import MicroBatch
@@ -78,6 +79,8 @@ class MegatronCriticEngine(Offloadable):
         hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
                               trust_remote_code=model_cfg.trust_remote_code, value_head=self.support).config
         self.traits = check_megatron_config(hf_config, config.parallel, dist.world_size)
+        if config.lora.rank:
+            check_megatron_lora(self.traits, hf_config)
         # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
         self.generator = torch.Generator().manual_seed(config.seed)
         load_kwargs = dict(torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
@@ -122,6 +125,9 @@ class MegatronCriticEngine(Offloadable):
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        # The rank of each (pipeline, tensor, expert) place whose copy the HF state and export take.
+        self.holds_state = parallel_state.get_expert_data_parallel_rank() == 0
         self.dp_rank, self.dp_size, self.dp_group = self.parallel.dp_rank, self.parallel.dp_size, self.parallel.dp_group
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
@@ -136,12 +142,14 @@ class MegatronCriticEngine(Offloadable):
                              f"without transformer_engine installed")
         tp = config.parallel.tensor
         shapes = convert.Shapes.of(self.hf_config, tp)
-        with torch.random.fork_rng(devices=[]):  # megatron's init draws on the global RNG; overwritten below
-            model = build_value_model(self.hf_config, self.tf_config, self.traits, pre_process=self.first_stage,
-                                      post_process=self.last_stage, padded_vocab=shapes.padded_vocab, use_te=use_te)
         per_stage = self.hf_config.num_hidden_layers // config.parallel.pipeline
         self.layout = convert.Layout(self.tp_rank, tp, self.pp_rank * per_stage, per_stage,
-                                     self.first_stage, self.last_stage, te_names=use_te)
+                                     self.first_stage, self.last_stage, te_names=use_te,
+                                     ep_rank=self.ep_rank, ep_size=config.parallel.expert)
+        with torch.random.fork_rng(devices=[]):  # megatron's init draws on the global RNG; overwritten below
+            model = build_value_model(self.hf_config, self.tf_config, self.traits, pre_process=self.first_stage,
+                                      post_process=self.last_stage, padded_vocab=shapes.padded_vocab, use_te=use_te,
+                                      first_layer=self.layout.first_layer)
         if isinstance(self._sliced, str):
             hf_state = critic.state_dict()
             read = convert.state_reader(base_state(hf_state))
@@ -160,6 +168,8 @@ class MegatronCriticEngine(Offloadable):
         if self.transforms:
             convert.follow_frozen(model, critic, self.traits, self.layout)
         model.to(dist.device)
+        if self.traits.moe is not None:
+            parallelize.mark_expert_parameters(model)
         self.model = parallelize.wrap_ddp(model, self.tf_config)
         bf16 = self.tf_config.bf16
         self.optimizer = parallelize.build_optimizer(self.model, config.optim, bf16)
@@ -334,9 +344,13 @@ class MegatronCriticEngine(Offloadable):
         """About how many bytes save_checkpoint writes (all ranks): fp32 weights and Adam's two
         moments of one data-parallel replica (the trainable ones only, with LoRA), plus 1 MiB."""
         # A tensor-parallel shard counts on its rank, a replicated tensor once (on tensor rank 0).
+        # An expert's tensors count on the expert-data-parallel rank 0 of its expert rank (megatron
+        # marks them allreduce=False), the others on data and context rank 0.
         params = [p for p in self.model.parameters() if (p.requires_grad or not self.transforms)
                   and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
-        local = 3 * sum(p.numel() * 4 for p in params) if self.dp_rank == 0 and self.cp_rank == 0 else 0
+        dense_owner, expert_owner = self.dp_rank == 0 and self.cp_rank == 0, self.holds_state
+        local = 3 * sum(p.numel() * 4 for p in params
+                        if (expert_owner if not getattr(p, "allreduce", True) else dense_owner))
         (total,) = all_reduce([float(local)], group=self.parallel.world_group)
         return int(total) + 2**20
 
@@ -353,8 +367,8 @@ class MegatronCriticEngine(Offloadable):
         with LoRA, the HF critic's with peft's layers (`<module>.base_layer.weight`,
         `<module>.lora_A.default.weight`, ...), which common.engine.lora maps to a plain critic or an adapter."""
         own = None
-        if self.dp_rank == 0 and self.cp_rank == 0:  # data- and context-parallel replicas hold the same weights
-            own = ((self.pp_rank, self.tp_rank), self.layout,
+        if self.holds_state:  # data- and context-parallel replicas hold the same weights
+            own = ((self.pp_rank, self.tp_rank, self.ep_rank), self.layout,
                    {k: v.detach().float().cpu() if v.is_floating_point() else v
                     for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")})
         world = self.parallel.world_group
@@ -363,16 +377,16 @@ class MegatronCriticEngine(Offloadable):
                                  group=world)
         if not self.dist.is_main:
             return None
-        states = {key: state for key, _, state in filter(None, gathered)}  # by (pp_rank, tp_rank)
+        states = {key: state for key, _, state in filter(None, gathered)}  # by (pp_rank, tp_rank, ep_rank)
         base = {key: {k: v for k, v in state.items() if not megatron_lora.is_adapter_key(k)}
                 for key, state in states.items()}
         layouts = {key: layout for key, layout, _ in filter(None, gathered)}
         hf_state = convert.mcore_to_hf(base, layouts, self.hf_config, self.traits)
         if not self.config.lora.rank:
             return hf_state
-        for pp_rank in sorted({pp for pp, _ in layouts}):
-            stage = [states[(pp_rank, tp)] for tp in range(self.config.parallel.tensor)]  # tensor-rank order
-            hf_state.update(megatron_lora.megatron_to_hf(stage, self.config.lora, layouts[(pp_rank, 0)]))
+        for pp_rank in sorted({key[0] for key in layouts}):
+            stage = [states[(pp_rank, tp, 0)] for tp in range(self.config.parallel.tensor)]  # tensor-rank order
+            hf_state.update(megatron_lora.megatron_to_hf(stage, self.config.lora, layouts[(pp_rank, 0, 0)]))
         return injected_names(hf_state)
 
     @resident_during
@@ -407,16 +421,21 @@ class MegatronCriticEngine(Offloadable):
         first row), never whole. Every rank runs it to its end (a gather per megatron tensor)."""
         world = self.parallel.world_group
         main, dst = self.dist.is_main, torch_dist.get_global_rank(world, 0)
-        owner = self.dp_rank == 0 and self.cp_rank == 0  # data- and context-parallel replicas hold the same weights
-        own = self.model.module.state_dict() if owner else {}
+        # Data- and context-parallel replicas hold the same weights: each (stage, tensor, expert) place's
+        # expert-data rank 0 sends; everything but the routed experts comes from expert rank 0.
+        own = self.model.module.state_dict() if self.holds_state else {}
         stages = self.config.parallel.pipeline
         shapes = convert.Shapes.of(self.hf_config, self.config.parallel.tensor)
-        for stage in range(stages):
+        for stage, ep_rank in itertools.product(range(stages), range(self.config.parallel.expert)):
             layout = dataclasses.replace(self.layout, tp_rank=0, first_layer=stage * self.layout.num_layers,
-                                         pre_process=stage == 0, post_process=stage == stages - 1)
-            for mc_name, (kind, hf_names) in convert.stage_map(self.traits, layout).items():
+                                         pre_process=stage == 0, post_process=stage == stages - 1, ep_rank=ep_rank)
+            for mc_name, entry in convert.stage_map(self.traits, layout).items():
+                if ep_rank and entry.expert is None:
+                    continue
+                kind, hf_names = entry.kind, entry.hf_names
                 # Who holds which shard (a few bytes each), then the shards themselves, point to point.
-                mine = own[mc_name].detach().float().contiguous() if owner and self.pp_rank == stage else None
+                holder = self.holds_state and self.pp_rank == stage and self.ep_rank == ep_rank
+                mine = own[mc_name].detach().float().contiguous() if holder else None
                 where = (self.tp_rank, torch_dist.get_rank(), tuple(mine.shape)) if mine is not None else None
                 holders = [None] * torch_dist.get_world_size(world) if main else None
                 torch_dist.gather_object(where, holders, dst=dst, group=world)
@@ -446,7 +465,10 @@ class MegatronCriticEngine(Offloadable):
                 converted = convert.unshard(kind, [shards[r] for r in sorted(shards)], shapes, mc_name)
                 del shards, mine
                 for hf_name, tensor in zip(hf_names, converted):
-                    yield hf_name, tensor.cpu().contiguous()
+                    if entry.expert is None:
+                        yield hf_name, tensor.cpu().contiguous()
+                    else:  # one row of the fused [experts, ...] tensor
+                        yield hf_name, tensor[None].cpu().contiguous(), entry.expert
                 del converted
 
     @resident_during

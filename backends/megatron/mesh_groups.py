@@ -6,8 +6,10 @@ instead (common.engine.mesh.build_mesh(..., backend="megatron") calls `megatron_
 parallel_state's globals from them (parallelize.adopt_mesh): the same groups megatron would make
 (its rank order tp-cp-ep-dp-pp is the mesh's pipeline, data, context, tensor, outermost first;
 checked against initialize_model_parallel in tests/test_sub_world.py), over the ranks the mesh
-has. Expert parallelism is 1 (no MoE on this backend yet) and there is one distributed-optimizer
-instance, so the expert groups are the dense ones.
+has. The expert groups follow megatron's expert grid (tensor-expert-data-pipeline, innermost
+first, with the experts' tensor parallelism that of the dense layers): within a pipeline stage the
+data x context x tensor ranks are regrouped as expert-data x expert x tensor. There is one
+distributed-optimizer instance.
 
 Imports no megatron: the registry resolves this module while building a mesh.
 """
@@ -17,12 +19,37 @@ from __future__ import annotations
 from ...common.engine.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ranks_along
 
 
-def megatron_groups(layout) -> dict[str, tuple[list[list[int]], str | None]]:
+def _along(grid, *axes: int) -> list[list[int]]:
+    """The rank lists of a rank grid's groups spanning `axes` (ranks differing only there), sorted."""
+    rest = [a for a in range(grid.dim()) if a not in axes]
+    width = 1
+    for a in axes:
+        width *= grid.shape[a]
+    return sorted(sorted(row) for row in grid.permute(*rest, *axes).reshape(-1, width).tolist())
+
+
+def expert_groups(layout, expert: int) -> dict[str, tuple[list[list[int]], str | None]]:
+    """The expert-parallel groups: each pipeline stage's ranks (data, context, tensor; tensor
+    innermost) as a grid (expert-data, expert, tensor)."""
+    pipeline, tensor = layout.shape[0], layout.shape[-1]
+    grid = layout.reshape(pipeline, -1, expert, tensor)  # (pipeline, expert-data, expert, tensor)
+    return {
+        "expert": (_along(grid, 2), None),
+        "expert_tensor": (_along(grid, 2, 3), None),
+        "expert_tensor_pipeline": (_along(grid, 0, 2, 3), None),
+        "expert_data": (_along(grid, 1), None),
+        "expert_data_gloo": (_along(grid, 1), "gloo"),
+    }
+
+
+def megatron_groups(layout, parallel) -> dict[str, tuple[list[list[int]], str | None]]:
     """{name: (rank lists, backend)} of the groups parallel_state keeps beyond the mesh's own
     dimensions (the mesh's tensor / pipeline / context / data groups are reused where a list is
-    one of them). `layout`: the engine's global ranks over common.engine.mesh.DIMS."""
+    one of them). `layout`: the engine's global ranks over common.engine.mesh.DIMS; `parallel`:
+    engine.parallel (its expert degree)."""
     pipelines = ranks_along(layout, PIPELINE)
     return {
+        **expert_groups(layout, parallel.expert),
         # One per dimension, degree-1 dimensions included (megatron needs a group of one there).
         "tensor": (ranks_along(layout, TENSOR), None),
         "pipeline": (pipelines, None),
@@ -36,7 +63,6 @@ def megatron_groups(layout) -> dict[str, tuple[list[list[int]], str | None]]:
         # First and last pipeline stage (tied embeddings), first stage (position embeddings).
         "embedding": ([[p[0], p[-1]] if len(p) > 1 else [p[0]] for p in pipelines], None),
         "position_embedding": ([[p[0]] for p in pipelines], None),
-        "one_rank": ([[r] for r in sorted(layout.flatten().tolist())], None),  # expert parallel at EP 1
         # megatron keeps gloo copies of the data-parallel groups (its distributed optimizer's
         # checkpoints); on a gloo world they are the groups above.
         "data_gloo": (ranks_along(layout, DATA), "gloo"),

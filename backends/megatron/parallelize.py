@@ -59,8 +59,10 @@ _USAGE = _Usage()
 def _check_same_layout(parallel: ParallelConfig) -> None:
     existing = {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
                 "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-                "context": parallel_state.get_context_parallel_world_size()}
-    wanted = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "context": parallel.context}
+                "context": parallel_state.get_context_parallel_world_size(),
+                "expert": parallel_state.get_expert_model_parallel_world_size()}
+    wanted = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "context": parallel.context,
+              "expert": parallel.expert}
     if existing != wanted:
         owner = "another megatron engine" if _USAGE.adopted is not None else "the host"
         raise ValueError(f"megatron's process groups in this process ({owner}'s) have {existing}, engine.parallel asks "
@@ -84,13 +86,13 @@ _GROUP_GLOBALS = {
     "_CONTEXT_PARALLEL_GROUP": "context", "_CONTEXT_PARALLEL_GLOBAL_RANKS": "context",
     "_TENSOR_AND_DATA_PARALLEL_GROUP": "tensor_data", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tensor_data_context",
     "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tensor_context",
-    # Expert parallel 1, expert tensor parallel = tensor parallel: the dense groups.
-    "_EXPERT_MODEL_PARALLEL_GROUP": "one_rank", "_EXPERT_MODEL_PARALLEL_RANKS": "one_rank",
-    "_EXPERT_TENSOR_PARALLEL_GROUP": "tensor", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tensor",
-    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "model",
-    "_EXPERT_DATA_PARALLEL_GROUP": "data_context", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "data_context_gloo",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "data_context",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "data_context_gloo",
+    # The expert grid (mesh_groups.expert_groups); expert tensor parallel = tensor parallel.
+    "_EXPERT_MODEL_PARALLEL_GROUP": "expert", "_EXPERT_MODEL_PARALLEL_RANKS": "expert",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "tensor", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "expert_tensor",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "expert_tensor_pipeline",
+    "_EXPERT_DATA_PARALLEL_GROUP": "expert_data", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expert_data_gloo",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "expert_data",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expert_data_gloo",
 }
 
 
@@ -193,6 +195,18 @@ def megatron_mesh(parallel: ParallelConfig) -> ParallelMesh:
     # Its world is the default group's: a megatron engine refuses a sub-world (engine.py).
     return ParallelMesh.from_groups(sizes=sizes, groups=groups,
                                     shard_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def mark_expert_parameters(model: torch.nn.Module) -> None:
+    """Tag the routed experts' parameters as expert-parallel (allreduce=False) at every expert degree.
+    megatron-core tags them only at EP > 1; then DDP reduces their gradients over the expert-data
+    group and the optimizer steps them as a second, chained optimizer, whose checkpoint keys
+    (chained_0. / chained_1.) differ from a single optimizer's: tagged always, a checkpoint resumes
+    at another expert degree. At EP 1 the expert-data group is the data x context group, so the
+    gradients and their scaling are the dense ones."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def wrap_ddp(model: torch.nn.Module, tf_config) -> DistributedDataParallel:

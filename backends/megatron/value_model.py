@@ -69,7 +69,18 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
-def local_layer_spec(traits: FamilyTraits) -> ModuleSpec:
+def local_mlp_spec(traits: FamilyTraits, moe_layer: bool) -> ModuleSpec:
+    """The layer's MLP: SwiGLU, or megatron-core's MoE layer (router, the token dispatcher, experts
+    run one after another by SequentialMLP, the shared expert with its gate)."""
+    if not moe_layer:
+        return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                               linear_fc2=RowParallelLinear))
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    return get_moe_module_spec(use_te=False, num_experts=traits.moe.experts, moe_grouped_gemm=False)
+
+
+def local_layer_spec(traits: FamilyTraits, moe_layer: bool = False) -> ModuleSpec:
     qk_norm = CriticRMSNorm if traits.qk_norm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
@@ -88,8 +99,7 @@ def local_layer_spec(traits: FamilyTraits) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=CriticRMSNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                linear_fc2=RowParallelLinear)),
+            mlp=local_mlp_spec(traits, moe_layer),
             mlp_bda=get_bias_dropout_add,
             # dist_checkpointing names as in the TE spec, so checkpoints move between the two specs.
             sharded_state_dict_keys_map={
@@ -100,24 +110,33 @@ def local_layer_spec(traits: FamilyTraits) -> ModuleSpec:
     )
 
 
-def block_spec(tf_config, traits: FamilyTraits, use_te: bool) -> TransformerBlockSubmodules:
-    """This pipeline stage's layers plus the final norm."""
+def block_spec(tf_config, traits: FamilyTraits, use_te: bool, first_layer: int = 0) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers (from HF layer `first_layer` on) plus the final norm."""
+    count = get_num_layers_to_build(tf_config)
+    moe_layers = traits.moe.moe_layers[first_layer:first_layer + count] if traits.moe else (False,) * count
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer, norm = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=traits.qk_norm), TENorm
+        def layer_spec(moe_layer):
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=traits.moe.experts if moe_layer else None, moe_grouped_gemm=False,
+                qk_layernorm=traits.qk_norm)
+        norm = TENorm
     else:
-        layer, norm = local_layer_spec(traits), CriticRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tf_config), layer_norm=norm)
+        def layer_spec(moe_layer):
+            return local_layer_spec(traits, moe_layer)
+        norm = CriticRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(moe_layer) for moe_layer in moe_layers],
+                                      layer_norm=norm)
 
 
 def build_value_model(hf_config, tf_config, traits: FamilyTraits, *, pre_process: bool, post_process: bool,
-                      padded_vocab: int, use_te: bool) -> GPTModel:
+                      padded_vocab: int, use_te: bool, first_layer: int = 0) -> GPTModel:
     """One pipeline stage of the critic (parallel_state must be initialised)."""
     model = GPTModel(
         config=tf_config,
-        transformer_layer_spec=block_spec(tf_config, traits, use_te),
+        transformer_layer_spec=block_spec(tf_config, traits, use_te, first_layer),
         vocab_size=padded_vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -189,8 +189,14 @@ class ParallelConfig:
     within a replica and all-reduced across replicas. It must divide the data-parallel degree; the
     rows, the loss and the metrics are the data-parallel ranks' as without it."""
 
+    expert: int = 1
+    """Expert-parallel degree of a mixture-of-experts critic (megatron): each rank holds 1/N of every
+    MoE layer's experts and tokens travel to their experts with an all-to-all. The experts are spread
+    over the data x context ranks, so N must divide that degree (and the expert count); it adds no
+    dimension of its own to the world."""
+
     def __post_init__(self):
-        for name in ("tensor", "pipeline", "context", "ulysses", "replicate"):
+        for name in ("tensor", "pipeline", "context", "ulysses", "replicate", "expert"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.parallel.{name}={getattr(self, name)} must be >= 1")
         if self.sequence_parallel and self.tensor == 1:

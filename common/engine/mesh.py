@@ -225,7 +225,8 @@ def ranks_along(layout, *dims: str) -> list[list[int]]:
     return sorted(sorted(row) for row in layout.permute(*rest, *axes).reshape(-1, width).tolist())
 
 
-def _library_groups(spec_groups, layout, rank: int, existing: dict[tuple[int, ...], object]) -> dict[str, object]:
+def _library_groups(spec_groups, layout, parallel, rank: int, existing: dict[tuple[int, ...], object]
+                    ) -> dict[str, object]:
     """The groups a backend's library keeps (BackendSpec.library_groups), made over the whole
     default group in one order on every process (like new_group). `existing`: every group the mesh
     already has, by its rank list (None for the ones this rank is not in; the same keys on every
@@ -233,7 +234,7 @@ def _library_groups(spec_groups, layout, rank: int, existing: dict[tuple[int, ..
     default_backend = torch_dist.get_backend()
     made = {(ranks, default_backend): group for ranks, group in existing.items()}
     out = {}
-    for name, (rank_lists, backend) in spec_groups(layout).items():
+    for name, (rank_lists, backend) in spec_groups(layout, parallel).items():
         backend = backend or default_backend
         out[name] = None
         for ranks in rank_lists:
@@ -282,7 +283,7 @@ def build_mesh(parallel: ParallelConfig, dist: DistContext, ranks=None, *, backe
         for dims, group in own:
             for ranks in ranks_along(full_layout, *dims):
                 existing[tuple(ranks)] = group if dist.rank in ranks else None
-        library = _library_groups(spec_groups, full_layout, dist.rank, existing)
+        library = _library_groups(spec_groups, full_layout, parallel, dist.rank, existing)
     hsdp = _hsdp_mesh(parallel.replicate, sizes, names, layout, dist.device.type)
     if not inside:
         return None

@@ -22,7 +22,7 @@ from .config import EngineConfig, ModelConfig, ParallelConfig
 PACKAGE_ROOT = __package__.removesuffix("common.engine").removesuffix(".")
 
 # Model-parallel dimensions a backend may implement (engine.parallel.<name>).
-PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses", "replicate")
+PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses", "replicate", "expert")
 # Engine settings only some backends honour (dotted under engine.), with their neutral values: one
 # set away from it on a backend that ignores it is an error, never silently dropped.
 OPTIONAL_KNOBS: dict[str, object] = {
@@ -88,7 +88,7 @@ BACKENDS: dict[str, BackendSpec] = {
     ),
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
-        parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context"}),
+        parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context", "expert"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank"}),
         launcher=".backends.megatron.train",
         library_groups=".backends.megatron.mesh_groups:megatron_groups",

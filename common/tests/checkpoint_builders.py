@@ -141,6 +141,28 @@ def token_classification(root: str, *, label_as_causal_lm: bool = False, family:
     return path, lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
 
 
+def moe_token_classification(root: str, family: str, seed: int = 4):
+    """A mixture-of-experts *ForTokenClassification(num_labels=1) written by transformers, with
+    decisive routing and experts that matter: router weights N(0, 1) (no near-ties between experts,
+    which any two implementations could break differently) and expert weights N(0, 0.1)."""
+    config = tiny_config(family)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=g))
+            elif ".mlp.experts." in name or ".shared_expert" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+        model.score.bias.fill_(0.3)
+    path = os.path.join(root, f"moe-{family}")
+    _save(model, path)
+    return path, lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+
+
 def sequence_classification(root: str):
     """HF *ForSequenceClassification reward model (score.weight, no bias), applied per token."""
     config = tiny_config("qwen2")

@@ -1,0 +1,182 @@
+"""Mixture-of-experts critics (mixtral, qwen2_moe with its gated shared expert, qwen3_moe) on every
+backend that takes them, checked against transformers itself on checkpoints transformers wrote:
+megatron at expert parallel 2, expert parallel 1 (data parallel 2), tensor parallel 2 (with the
+sequence parallelism megatron's MoE layer needs) and pipeline parallel 2; fsdp; VeOmni's own MoE
+modeling (qwen3_moe). Each run's values equal transformers' forward (<= 1e-4), and one update equals
+an independent transformers + AdamW step on every data-parallel rank's rollout (the value loss
+alone: no router load-balancing loss). A megatron checkpoint written at expert parallel 2 resumes
+at expert parallel 1 identically; its HF export loads in plain transformers with the engine's values."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification
+
+from critic_adapters.common.engine import shift_to_tokens
+from critic_adapters.common.engine.config import EngineConfig, LoRAConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.engine.registry import backend_spec
+from critic_adapters.common.learning.loss import value_loss
+from critic_adapters.common.testdata import MOE_FAMILIES, tiny_config
+from critic_adapters.common.tests import checkpoint_builders
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
+from critic_adapters.common.valuehead import compute_values, load_critic
+from critic_adapters.tests.conformance.worker import rollout
+from critic_adapters.tests.moe_worker import EPS, LR
+
+# name: (backend, family, engine.parallel, worker options); run in this order (a resume after its save).
+RUNS = {
+    **{f"megatron-ep2-{f}": ("megatron", f, {"expert": 2}, {}) for f in MOE_FAMILIES},
+    **{f"megatron-tp2-{f}": ("megatron", f, {"tensor": 2, "sequence_parallel": True}, {}) for f in MOE_FAMILIES},
+    "megatron-ep1-qwen2_moe": ("megatron", "qwen2_moe", {}, {}),
+    "megatron-pp2-qwen2_moe": ("megatron", "qwen2_moe", {"pipeline": 2}, {}),
+    "megatron-ep2-saves": ("megatron", "qwen3_moe", {"expert": 2}, {"save": True, "export": True}),
+    "megatron-ep1-resumes": ("megatron", "qwen3_moe", {}, {"resume": "megatron-ep2-saves"}),
+    **{f"fsdp-{f}": ("fsdp", f, {}, {}) for f in MOE_FAMILIES},
+    "veomni-qwen3_moe": ("veomni", "qwen3_moe", {}, {}),
+}
+TRAINING_RUNS = sorted(name for name, (*_, options) in RUNS.items() if "resume" not in options)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe"))
+    return {family: checkpoint_builders.moe_token_classification(root, family)[0] for family in MOE_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints, tmp_path_factory):
+    """{run: result.pt of tests/moe_worker.py}: every run in one torchrun of 2 processes."""
+    specs, works = {}, {}
+    for name, (backend, family, parallel, options) in RUNS.items():
+        works[name] = tmp_path_factory.mktemp(name)
+        specs[name] = {"backend": backend, "model": checkpoints[family], "parallel": parallel,
+                       "workdir": str(works[name]), **options}
+    run_torchrun(2, "critic_adapters.tests.moe_worker", json.dumps(specs), env=worker_env(PYTHONWARNINGS="ignore"),
+                 timeout=900)
+    return {name: (works[name], torch.load(works[name] / "result.pt")) for name in RUNS}
+
+
+def reference(checkpoint: str):
+    model, report = load_critic(checkpoint)
+    assert report.head == "loaded", report
+    return model
+
+
+def real(batch):
+    return batch.attention_mask.bool()
+
+
+@pytest.mark.parametrize("name", TRAINING_RUNS)
+def test_values_equal_transformers(name, results, checkpoints):
+    _, result = results[name]
+    model = reference(checkpoints[RUNS[name][1]])
+    assert sorted(result["values_before"]) == list(range(result["data_ranks"]))
+    for rank, values in result["values_before"].items():
+        batch = rollout(rank)
+        expected = compute_values(model, batch.input_ids, batch.attention_mask)
+        assert torch.allclose(values[real(batch)], expected[real(batch)], atol=1e-4), \
+            (values[real(batch)] - expected[real(batch)]).abs().max()
+
+
+def test_the_values_check_sees_a_misplaced_expert(checkpoints):
+    """Negative control: the fixtures' experts matter, so a converter that swapped two experts (or
+    routed to the wrong ones) would fail the check above by far more than its tolerance."""
+    model = reference(checkpoints["qwen3_moe"])
+    batch = rollout(0)
+    expected = compute_values(model, batch.input_ids, batch.attention_mask)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for tensor in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                tensor.copy_(tensor[[1, 0, 2, 3]])
+    swapped = compute_values(model, batch.input_ids, batch.attention_mask)
+    assert (swapped - expected)[real(batch)].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", TRAINING_RUNS)
+def test_one_update_equals_a_transformers_adamw_step(name, results, checkpoints):
+    _, result = results[name]
+    model = reference(checkpoints[RUNS[name][1]])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
+    parts = [rollout(rank) for rank in range(result["data_ranks"])]
+    cat = {field: torch.cat([getattr(b, field) for b in parts]) for field in
+           ("input_ids", "attention_mask", "response_mask", "old_values", "returns")}
+    model.train()
+    values = shift_to_tokens(compute_values(model, cat["input_ids"], cat["attention_mask"]))
+    loss, _ = value_loss(values, cat["old_values"], cat["returns"], cat["response_mask"], clip_range=0.5,
+                         agg_mode="token-mean")
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    metrics = result["metrics"]
+    assert metrics["value_loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
+    model.eval()
+    for rank, after in result["values_after"].items():
+        batch = rollout(rank)
+        with torch.no_grad():
+            expected = compute_values(model, batch.input_ids, batch.attention_mask)
+        assert torch.allclose(after[real(batch)], expected[real(batch)], atol=2e-4), \
+            (after[real(batch)] - expected[real(batch)]).abs().max()
+        assert not torch.allclose(after, result["values_before"][rank], atol=1e-3)  # it learned
+
+
+def test_a_checkpoint_saved_at_expert_parallel_2_resumes_at_1(results):
+    """Model and optimizer state (Adam's moments of every expert) move between expert degrees:
+    the resumed engine's values, next update and values after it equal the saving engine's."""
+    _, saved = results["megatron-ep2-saves"]
+    _, resumed = results["megatron-ep1-resumes"]
+    for rank, values in saved["values_after"].items():
+        assert torch.allclose(resumed["resumed_values"][rank], values, atol=1e-6)
+        assert torch.allclose(resumed["next_values"][rank], saved["next_values"][rank], atol=1e-5)
+    for key in ("value_loss", "grad_norm"):
+        assert resumed["next_metrics"][key] == pytest.approx(saved["next_metrics"][key], rel=1e-5)
+    # The next update moved the weights (else the equalities above would hold for a lost optimizer too).
+    assert not torch.allclose(saved["next_values"][0], saved["values_after"][0], atol=1e-4)
+
+
+def test_the_export_loads_in_plain_transformers_with_the_engines_values(results):
+    work, saved = results["megatron-ep2-saves"]
+    model = AutoModelForTokenClassification.from_pretrained(work / "hf_export").eval()
+    assert type(model).__name__ == "Qwen3MoeForTokenClassification"
+    for rank, values in saved["values_after"].items():
+        batch = rollout(rank)
+        expected = compute_values(model, batch.input_ids, batch.attention_mask)
+        assert torch.allclose(values[real(batch)], expected[real(batch)], atol=1e-5)
+
+
+def _refusal(backend: str, family: str, world: int, **parallel) -> str:
+    from critic_adapters.common.engine.registry import check_engine_config, resolve
+
+    config = EngineConfig(model=ModelConfig(path="-"), parallel=ParallelConfig(**parallel))
+    with pytest.raises(ValueError) as err:
+        check_engine_config(backend, config)
+        resolve(backend_spec(backend).check_layout)(tiny_config(family), config, world)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("parallel, world, message", [
+    ({"expert": 3}, 3, "engine.parallel.expert=3 must divide the 4 experts"),
+    ({"expert": 4}, 2, "engine.parallel.expert=4 must divide the data x context parallel degree (2 of 2"),
+    ({"tensor": 2}, 2, "needs engine.parallel.sequence_parallel=true"),
+])
+def test_megatron_refuses_expert_layouts_it_cannot_run(parallel, world, message):
+    assert message in _refusal("megatron", "qwen3_moe", world, **parallel)
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_apply():
+    assert "qwen2 has no experts" in _refusal("megatron", "qwen2", 2, expert=2)
+    assert "engine.parallel.expert=2 (offered by backend=megatron)" in _refusal("fsdp", "qwen3_moe", 2, expert=2)
+
+
+def test_megatron_lora_on_experts_is_refused_with_the_backend_that_takes_it():
+    from critic_adapters.backends.megatron.config import check_layout
+
+    config = EngineConfig(model=ModelConfig(path="-"), lora=LoRAConfig(rank=4))
+    with pytest.raises(ValueError, match="no LoRA for mixture-of-experts critics.*use backend=fsdp"):
+        check_layout(tiny_config("mixtral"), config, 1)
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
