@@ -2,8 +2,8 @@
 several layouts, in one torchrun of 2 processes (engines one after another).
 
   python -m critic_adapters.tests.moe_worker RUNS_JSON
-RUNS_JSON: {name: {"backend", "model", "parallel": {engine.parallel}, "save": bool, "resume": name of
-a saving run, "export": bool, "workdir"}}. Every data-parallel rank trains on its own rollout
+RUNS_JSON: {name: {"backend", "model", "parallel": {engine.parallel}, "router_aux_coef", "save": bool,
+"resume": name of a saving run, "export": bool, "workdir"}}. Every data-parallel rank trains on its own rollout
 (conformance.worker.rollout(dp_rank)). Rank 0 writes WORKDIR/result.pt: the values of each
 data-parallel rank's rows before and after one update, its metrics; a saving run then saves a
 checkpoint (WORKDIR/checkpoint) and records its next update and values; a resuming run loads the
@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+from critic_adapters.common.engine.config import EngineConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.common.parallel.distributed import all_gather_object, init_distributed, shutdown
 from critic_adapters.tests.conformance.worker import rollout
@@ -30,6 +30,7 @@ EPS = 1e-6
 
 def engine_config(spec: dict) -> EngineConfig:
     return EngineConfig(model=ModelConfig(path=spec["model"]), optim=OptimConfig(lr=LR, eps=EPS),
+                        loss=LossConfig(router_aux_coef=spec.get("router_aux_coef", 0.0)),
                         parallel=ParallelConfig(**spec.get("parallel", {})))
 
 

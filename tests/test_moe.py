@@ -25,6 +25,7 @@ from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.moe_worker import EPS, LR
 
+AUX = 0.5  # engine.loss.router_aux_coef of the *-aux runs
 # name: (backend, family, engine.parallel, worker options); run in this order (a resume after its save).
 RUNS = {
     **{f"megatron-ep2-{f}": ("megatron", f, {"expert": 2}, {}) for f in MOE_FAMILIES},
@@ -35,6 +36,12 @@ RUNS = {
     "megatron-ep1-resumes": ("megatron", "qwen3_moe", {}, {"resume": "megatron-ep2-saves"}),
     **{f"fsdp-{f}": ("fsdp", f, {}, {}) for f in MOE_FAMILIES},
     "veomni-qwen3_moe": ("veomni", "qwen3_moe", {}, {}),
+    # engine.loss.router_aux_coef: transformers' load-balancing loss added with it.
+    "megatron-ep2-qwen2_moe-aux": ("megatron", "qwen2_moe", {"expert": 2}, {"router_aux_coef": AUX}),
+    "megatron-tp2-mixtral-aux": ("megatron", "mixtral", {"tensor": 2, "sequence_parallel": True},
+                                 {"router_aux_coef": AUX}),
+    "fsdp-qwen2_moe-aux": ("fsdp", "qwen2_moe", {}, {"router_aux_coef": AUX}),
+    "veomni-qwen3_moe-aux": ("veomni", "qwen3_moe", {}, {"router_aux_coef": AUX}),
 }
 TRAINING_RUNS = sorted(name for name, (*_, options) in RUNS.items() if "resume" not in options)
 
@@ -94,9 +101,28 @@ def test_the_values_check_sees_a_misplaced_expert(checkpoints):
     assert (swapped - expected)[real(batch)].abs().max() > 1e-2
 
 
+def router_loss(model, batch) -> torch.Tensor:
+    """transformers' load-balancing loss of one forward pass over `batch`: the routers' logits of
+    every layer (mixtral's, qwen's `mlp.gate`), padding masked out by transformers' own function."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = []
+    hooks = [module.register_forward_hook(lambda m, i, out: logits.append(out[0]))
+             for name, module in model.named_modules() if name.endswith(".mlp.gate")]
+    compute_values(model, batch.input_ids, batch.attention_mask)
+    for hook in hooks:
+        hook.remove()
+    config = model.config
+    return load_balancing_loss_func(tuple(logits), getattr(config, "num_experts", None) or config.num_local_experts,
+                                    config.num_experts_per_tok, batch.attention_mask)
+
+
 @pytest.mark.parametrize("name", TRAINING_RUNS)
 def test_one_update_equals_a_transformers_adamw_step(name, results, checkpoints):
+    """With engine.loss.router_aux_coef: the value loss plus the coefficient times the mean of each
+    data-parallel rank's forward pass's router loss (one micro-batch per rank here)."""
     _, result = results[name]
+    coef = RUNS[name][3].get("router_aux_coef", 0.0)
     model = reference(checkpoints[RUNS[name][1]])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
     parts = [rollout(rank) for rank in range(result["data_ranks"])]
@@ -106,7 +132,8 @@ def test_one_update_equals_a_transformers_adamw_step(name, results, checkpoints)
     values = shift_to_tokens(compute_values(model, cat["input_ids"], cat["attention_mask"]))
     loss, _ = value_loss(values, cat["old_values"], cat["returns"], cat["response_mask"], clip_range=0.5,
                          agg_mode="token-mean")
-    loss.backward()
+    objective = loss + coef * torch.stack([router_loss(model, part) for part in parts]).mean() if coef else loss
+    objective.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     metrics = result["metrics"]
@@ -120,6 +147,25 @@ def test_one_update_equals_a_transformers_adamw_step(name, results, checkpoints)
         assert torch.allclose(after[real(batch)], expected[real(batch)], atol=2e-4), \
             (after[real(batch)] - expected[real(batch)]).abs().max()
         assert not torch.allclose(after, result["values_before"][rank], atol=1e-3)  # it learned
+
+
+@pytest.mark.parametrize("name", [name for name in TRAINING_RUNS if name.endswith("-aux")])
+def test_the_router_loss_reaches_the_gradients(name, results):
+    """Against the same run without it: the coefficient changed the gradient (the reference check
+    above would also pass for an engine that ignored it only if the router loss had no gradient)."""
+    plain = name.removesuffix("-aux")  # the same backend, family and layout
+    assert results[name][1]["metrics"]["value_loss"] == pytest.approx(results[plain][1]["metrics"]["value_loss"],
+                                                                      abs=1e-6)
+    assert abs(results[name][1]["metrics"]["grad_norm"] - results[plain][1]["metrics"]["grad_norm"]) > 1e-3
+
+
+def test_the_router_loss_is_refused_where_it_cannot_apply():
+    from critic_adapters.common.engine.router_aux import aux_experts
+
+    assert aux_experts(0.0, tiny_config("qwen2")) is None
+    with pytest.raises(ValueError, match="qwen2 has no router"):
+        aux_experts(0.1, tiny_config("qwen2"))
+    assert aux_experts(0.1, tiny_config("mixtral")).top_k == 2
 
 
 def test_a_checkpoint_saved_at_expert_parallel_2_resumes_at_1(results):

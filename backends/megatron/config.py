@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from ...common.engine.config import EngineConfig, ParallelConfig
+from ...common.valuehead.experts import experts_of, moe_layer_flags
 
 # Families whose HF layout maps onto a megatron-core GPTModel with our converter (convert.py):
 # RMSNorm, SwiGLU, rotary, GQA; what differs between them is the attention extras and, for the
@@ -52,21 +53,14 @@ class FamilyTraits:
 
 def moe_traits(hf_config: PretrainedConfig) -> MoETraits | None:
     """The experts of a mixtral / qwen2_moe / qwen3_moe config (None for other families)."""
-    model_type, layers = hf_config.model_type, hf_config.num_hidden_layers
-    if model_type == "mixtral":
-        return MoETraits(experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
-                         ffn_size=hf_config.intermediate_size, normalize_top_k=True, shared_ffn_size=None,
-                         moe_layers=(True,) * layers)
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        dense_only, step = set(getattr(hf_config, "mlp_only_layers", None) or ()), hf_config.decoder_sparse_step
-        moe_layers = tuple(i not in dense_only and hf_config.num_experts > 0 and (i + 1) % step == 0
-                           for i in range(layers))
-        shared = getattr(hf_config, "shared_expert_intermediate_size", None) if model_type == "qwen2_moe" else None
-        return MoETraits(experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
-                         ffn_size=hf_config.moe_intermediate_size,
-                         normalize_top_k=bool(getattr(hf_config, "norm_topk_prob", False)),
-                         shared_ffn_size=shared or None, moe_layers=moe_layers)
-    return None
+    if hf_config.model_type not in MOE_FAMILIES:
+        return None
+    experts = experts_of(hf_config)
+    ffn = hf_config.intermediate_size if hf_config.model_type == "mixtral" else hf_config.moe_intermediate_size
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) if hf_config.model_type == "qwen2_moe" else None
+    return MoETraits(experts=experts.routed, top_k=experts.top_k, ffn_size=ffn,
+                     normalize_top_k=bool(experts.renormalised), shared_ffn_size=shared or None,
+                     moe_layers=moe_layer_flags(hf_config))
 
 
 def family_traits(hf_config: PretrainedConfig) -> FamilyTraits:

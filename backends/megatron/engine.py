@@ -43,6 +43,7 @@ from ...common.engine.registry import check_engine_config
 from ...common.engine.update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
 from ...common.engine.lora import base_state, injected_names, write_adapter
 from ...common.engine.offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
+from ...common.engine import router_aux
 from ...common.engine.pipeline import engine_transforms
 from ...common.engine.transforms import apply_transforms, export_state_dict, folds_at_export, transform_names
 from ...common.valuehead import load_critic
@@ -53,6 +54,18 @@ from ...common.valuehead.save import write_critic
 from ...common.valuehead.sliced import meta_critic, open_sliced
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _router_logits(router, inputs, output) -> torch.Tensor:
+    """A megatron router's logits [b, s, experts] from its input [s, b, H] (the whole sequence under
+    sequence parallelism: every tensor rank computes the loss whole, so the gather's backward is
+    this rank's slice, as for the value head)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    logits = torch.nn.functional.linear(inputs[0], router.weight).float()
+    if router.config.sequence_parallel:
+        logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+    return logits.transpose(0, 1)
 
 
 class MegatronCriticEngine(Offloadable):
@@ -179,6 +192,12 @@ class MegatronCriticEngine(Offloadable):
         # Sequence parallelism splits every micro-batch's sequence over the tensor ranks.
         self._multiple = tp if config.parallel.sequence_parallel else 1
         self._cp_group = self.parallel.groups[CONTEXT] if config.parallel.context > 1 else None
+        self._router_logits: list[torch.Tensor] = []  # a micro-batch's, with engine.loss.router_aux_coef
+        refuse = None
+        if config.parallel.pipeline > 1 or config.parallel.context > 1:
+            refuse = ("takes engine.parallel.pipeline=1 and context=1 on the megatron backend (transformers' loss "
+                      "couples every MoE layer's routing of a whole forward pass)")
+        self.aux_experts = router_aux.aux_experts(config.loss.router_aux_coef, self.hf_config, refuse=refuse)
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
@@ -189,6 +208,7 @@ class MegatronCriticEngine(Offloadable):
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb = next(data_iterator)
+        self._router_logits.clear()  # (a recompute in the last backward may have added some)
         inputs = model_inputs(mb, multiple=self._multiple, cp_group=self._cp_group, device=self.dist.device)
         output = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask,
                        packed_seq_params=inputs.packed_seq_params)
@@ -253,6 +273,7 @@ class MegatronCriticEngine(Offloadable):
         # Normalise over the whole mini-batch: every data-parallel share (TP/PP peers hold copies).
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
         micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
+        aux = router_aux.StepAux.of(self.config.loss.router_aux_coef, self.aux_experts, micro_batches, self.dp_group)
         # The schedule divides each micro-batch loss by their number and DDP averages over the
         # data-parallel ranks; the loss here is already the global mean, so undo both. (Context
         # parallelism: the schedule's own x cp undoes DDP's 1 / cp, see parallelize.py.)
@@ -266,9 +287,14 @@ class MegatronCriticEngine(Offloadable):
             values = mb.unpack(head, batch.input_ids.shape[1])
             loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                           batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
+            loss = loss + aux.term(mb, [inputs.crop(logits) for logits in self._router_logits], batch.attention_mask,
+                                   batch.input_ids.shape[1])
             return loss * scale, {}
 
-        self._run(micro_batches, loss_fn, forward_only=False)
+        with aux.capture(self.model, select=lambda name: name.endswith(".mlp.router"),
+                         logits_of=_router_logits) as self._router_logits:
+            self._run(micro_batches, loss_fn, forward_only=False)
+        self._router_logits = []
         return stats
 
     @needs_resident(*KINDS)

@@ -115,8 +115,15 @@ class LossConfig:
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, normalised over
     the whole mini-batch (all ranks, all micro-batches)."""
     hl_gauss: HLGaussConfig = dataclasses.field(default_factory=HLGaussConfig)
+    router_aux_coef: float = 0.0
+    """Mixture-of-experts critics: the router's load-balancing loss (transformers' Switch-style
+    load_balancing_loss_func over every MoE layer of a forward pass) added with this coefficient,
+    averaged over the step's micro-batches. 0 (the default) trains on the value loss alone: a critic
+    shares its router with no generation, and its experts' balance only costs speed."""
 
     def __post_init__(self):
+        if self.router_aux_coef < 0:
+            raise ValueError(f"engine.loss.router_aux_coef={self.router_aux_coef} must be >= 0 (0 turns it off)")
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"engine.loss.kind={self.kind!r}: use one of {', '.join(LOSS_KINDS)}")
         if self.agg_mode not in AGG_MODES:

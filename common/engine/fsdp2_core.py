@@ -57,6 +57,7 @@ from ..parallel.host_memory import large_allocations_returned
 from ..parallel.shard_state import gather_full_state, iter_state_rows
 from .pipeline import engine_transforms
 from .transforms import export_state_dict, folds_at_export, trainable_parameters, transform_names
+from . import router_aux
 from .update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
 from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
 from ..valuehead.save import write_critic
@@ -126,6 +127,9 @@ class FSDP2Engine(Offloadable):
             self._release_all()
             raise
         self.vocab_size = self.model.config.get_text_config().vocab_size
+        self.aux_experts = router_aux.aux_experts(
+            config.loss.router_aux_coef, self.model.config,
+            refuse=None if self.sp_group is None else "does not take Ulysses (each rank routes only its tokens)")
         self.fingerprint = critic_fingerprint(self.model, transform_names(engine_transforms(config)))
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -219,18 +223,26 @@ class FSDP2Engine(Offloadable):
         device = self.dist.device
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
         bins = stats.support is not None  # HL-Gauss: the loss takes the bin logits
-        for mb in self._micro_batches(batch.input_ids, batch.attention_mask):
-            with self._forward(mb, batch.input_ids.shape[1], bins=bins) as (values, raw):
+        micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
+        aux = self._router_aux(micro_batches)
+        for mb in micro_batches:
+            with aux.capture(self.model) as logits, self._forward(mb, batch.input_ids.shape[1], bins=bins) as (values, raw):
                 if not mb.rows:
                     (raw.sum() * 0.0).backward()  # keep this rank in step with the others' collectives
                     continue
                 loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                               batch.returns[mb.rows].to(device),
                                               batch.response_mask[mb.rows].to(device))
+                loss = loss + aux.term(mb, [part.reshape(*mb.input_ids.shape, -1) for part in logits],
+                                       batch.attention_mask, batch.input_ids.shape[1])
                 # FSDP averages gradients over its shard ranks; the loss is already the global mean
                 # (and a Ulysses rank's gradient is only its tokens' share), so undo that.
                 (loss * self.parallel.gradient_ranks).backward()
         return stats
+
+    def _router_aux(self, micro_batches) -> router_aux.StepAux:
+        """engine.loss.router_aux_coef's share of this step (off: adds nothing, captures nothing)."""
+        return router_aux.StepAux.of(self.config.loss.router_aux_coef, self.aux_experts, micro_batches, self.dp_group)
 
     @needs_resident(*KINDS)
     def update(self, batch: RolloutBatch) -> dict[str, float]:

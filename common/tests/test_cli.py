@@ -34,6 +34,21 @@ def test_inspect_reports_format_head_and_what_is_initialised(tmp_path, capsys):
     assert cli(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "causal-lm" in out and "score.weight (fresh head)" in out
+    assert "experts" not in out  # a dense model
+
+
+def test_inspect_and_the_load_report_describe_the_experts(tmp_path, capsys):
+    """Mixture-of-experts checkpoints written by transformers: routed experts, top-k, whether the
+    top-k weights are renormalised, the shared expert, the layers that route."""
+    from critic_adapters.common.valuehead import load_critic
+
+    path, _ = build.moe_token_classification(str(tmp_path), "qwen2_moe")
+    assert cli(["inspect", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["experts"] == ("4 routed, top-2, not renormalised; a gated shared expert of width 64; "
+                               "MoE in 2 of 2 layers"), info["experts"]
+    path, _ = build.moe_token_classification(str(tmp_path), "mixtral")
+    assert "  experts      4 routed, top-2, renormalised; MoE in 2 of 2 layers" in str(load_critic(path)[1])
 
 
 def test_convert_writes_a_plain_token_classification_model(tmp_path, capsys):

@@ -22,6 +22,7 @@ import torch
 from ..learning.hl_gauss import describe
 from .config import architecture_name, critic_class, text_hidden_size
 from .errors import CriticLoadError
+from .experts import describe_experts
 from .load import load_critic, plan_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +57,7 @@ def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remot
         "weight_files": list(index.weight_files) + ([index.sidecar] if index.sidecar else []),
         "head": {key: list(tensors[key].shape) for key in detection.head_keys},
         "value_head": describe(plan.stored_head),
+        "experts": describe_experts(config),
         "would_initialise": initialised,
         "ignored": ignored,
     }
@@ -68,6 +70,8 @@ def _print_inspection(info: dict) -> None:
     print(f"family        {info['family']} -> {info['critic_class']} (hidden size {info['hidden_size']})")
     head = ", ".join(f"{k} {v}" for k, v in info["head"].items()) or "none (a fresh head will be created)"
     print(f"head          {head}" + (f" ({info['value_head']})" if info["head"] else ""))
+    if info["experts"]:
+        print(f"experts       {info['experts']}")
     print(f"initialise    {', '.join(info['would_initialise']) or 'nothing'}")
     print(f"ignore        {', '.join(info['ignored']) or 'nothing'}")
 

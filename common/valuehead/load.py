@@ -21,6 +21,7 @@ from .checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
 from ..learning.hl_gauss import HLGaussSupport, describe, from_scalar_head, support_of
 from .config import DECLARED_HEAD, critic_class, critic_config, critic_head, head_name, install_value_head, text_hidden_size
 from .errors import CriticLoadError
+from .experts import describe_experts
 from .formats import Detection, detect_format
 from ..learning.hl_gauss import CONFIG_KEY
 
@@ -53,6 +54,8 @@ class LoadReport:
     """Checkpoint tensors the critic does not use (e.g. a causal LM's lm_head)."""
     value_head: str = "a scalar head"
     """The kind of head the critic has (common/learning/hl_gauss.py: describe)."""
+    experts: str | None = None
+    """A mixture-of-experts backbone's experts (common/valuehead/experts.py), None for a dense one."""
 
     def __str__(self) -> str:
         lines = [
@@ -63,6 +66,8 @@ class LoadReport:
             + f" ({self.value_head})",
             f"  head bias    {self.bias}",
         ]
+        if self.experts:
+            lines.append(f"  experts      {self.experts}")
         if self.missing_keys:
             lines.append(f"  initialised  {', '.join(self.missing_keys)}")
         if self.unexpected_keys:
@@ -399,5 +404,6 @@ def load_critic(
         missing_keys=missing,
         unexpected_keys=unexpected,
         value_head=describe(support_of(critic_cfg)),
+        experts=describe_experts(critic_cfg),
     )
     return model, report

@@ -29,6 +29,7 @@ from ._quiet import quiet_transformers
 from .attention import select_attn_implementation
 from .config import DECLARED_HEAD, critic_class, critic_head, install_value_head
 from .errors import CriticLoadError
+from .experts import describe_experts
 from .load import LoadReport, _allowed_missing, check_head_change, head_tensors, plan_load
 from ..learning.hl_gauss import describe, support_of
 
@@ -200,6 +201,7 @@ def open_sliced(path: str, *, torch_dtype: torch.dtype = torch.float32, attn_imp
         family=config.model_type, critic_class=type(model).__name__, head=head_state,
         head_source=[] if head_state == "initialized" else detection.head_keys, bias=bias_state,
         attn_implementation=attn, dtype=str(torch_dtype).removeprefix("torch."),
-        missing_keys=missing, unexpected_keys=unexpected, value_head=describe(support_of(config)))
+        missing_keys=missing, unexpected_keys=unexpected, value_head=describe(support_of(config)),
+        experts=describe_experts(config))
     dtypes = {name: t.dtype for name, t in model.state_dict().items()}
     return SlicedCritic(report, config, shapes, dtypes, torch_dtype, stored, head, checked)
