@@ -216,6 +216,24 @@ def test_expert_parallelism_is_refused_where_it_cannot_apply():
     assert "engine.parallel.expert=2 (offered by backend=megatron)" in _refusal("fsdp", "qwen3_moe", 2, expert=2)
 
 
+def test_veomni_refuses_expert_parallelism_saying_why():
+    """VeOmni 0.1.12's expert path does not run for this critic (probed on CPU with gloo: the
+    experts loop of the transformers backbone VeOmni builds for a token classifier has no token
+    dispatch; the dispatching one needs triton): refused by name, with the backend that has it."""
+    message = _refusal("veomni", "qwen3_moe", 2, expert=2)
+    assert "engine.parallel.expert=2 (offered by backend=megatron; veomni: VeOmni 0.1.12 builds" in message
+    assert "needs triton on a GPU" in message
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_veomni_refuses_the_moe_families_it_does_not_model_naming_the_backends_that_do(family):
+    from critic_adapters.backends.veomni.value_model import check_family_registered
+
+    with pytest.raises(ValueError, match=f"no modeling for model_type '{family}'.*or use backend=fsdp or "
+                                         f"backend=megatron for this family"):
+        check_family_registered(tiny_config(family))
+
+
 def test_megatron_lora_on_experts_is_refused_with_the_backend_that_takes_it():
     from critic_adapters.backends.megatron.config import check_layout
 

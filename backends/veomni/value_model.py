@@ -19,6 +19,7 @@ import copy
 
 import torch
 
+from ...common.engine.registry import backends_for_family
 from ...common.parallel import ulysses
 from ...common.parallel.batching import pack
 from ...common.parallel.packed_attention import sequence_bounds
@@ -51,7 +52,9 @@ def check_family_registered(config) -> None:
         f"VeOmni {veomni_version()} has no modeling for model_type {config.model_type!r} (it has: "
         f"{', '.join(sorted(MODELING_REGISTRY.valid_keys()))}). Run with the environment variable "
         f"MODELING_BACKEND=hf to build it from transformers' classes through VeOmni (set it yourself: VeOmni "
-        f"reads it process-wide, so the engine does not), or use backend=fsdp for this family")
+        f"reads it process-wide, so the engine does not), or use "
+        f"{' or '.join(f'backend={name}' for name in backends_for_family(config.model_type, besides='veomni'))} "
+        f"for this family")
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,

@@ -58,11 +58,17 @@ class BackendSpec:
     library_groups: str | Callable | None = None
     """"module:callable" (as factory) or the callable, for a backend whose library keeps process
     groups of its own beyond the mesh's dimensions (megatron-core's parallel_state):
-    library_groups(layout) -> {name: (rank lists, process-group backend or None for the default)},
-    where layout is the engine's global ranks laid out over common.engine.mesh.DIMS (a torch
-    tensor, one axis per dimension, degree-1 axes included). build_mesh(..., backend=name) makes
+    library_groups(layout, parallel) -> {name: (rank lists, process-group backend or None for the
+    default)}, where layout is the engine's global ranks laid out over common.engine.mesh.DIMS (a
+    torch tensor, one axis per dimension, degree-1 axes included) and parallel engine.parallel. build_mesh(..., backend=name) makes
     them with the mesh (collectively, so a host's sub-world works too); ParallelMesh.library_groups
     holds this rank's group of each name."""
+    families: str | tuple[str, ...] | None = None
+    """The model_types it builds, as a tuple or "module:attribute" of one (a module that imports no
+    heavy library); None: not declared (whatever its library builds). Refusals name the backends
+    that take a family (backends_for_family)."""
+    unsupported: tuple[tuple[str, str], ...] = ()
+    """(a PARALLEL_DIMS name it does not implement, why): said with check_engine_config's refusal."""
 
     def __post_init__(self):
         unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
@@ -92,6 +98,7 @@ BACKENDS: dict[str, BackendSpec] = {
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank"}),
         launcher=".backends.megatron.train",
         library_groups=".backends.megatron.mesh_groups:megatron_groups",
+        families=".backends.megatron.config:SUPPORTED_FAMILIES",
         # The two processes of the default job split every layer (a data-parallel degree of 1).
         job_defaults=("engine.parallel.tensor=2", "trainer.run_dir=outputs/megatron-default"),
         check_layout=".backends.megatron.config:check_layout",
@@ -103,6 +110,9 @@ BACKENDS: dict[str, BackendSpec] = {
                          "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",
         job_defaults=("trainer.run_dir=outputs/veomni-default",),
+        unsupported=(("expert", "VeOmni 0.1.12 builds the token-classification critic on transformers' own MoE "
+                      "backbone, whose eager experts loop has no token dispatch (IndexError on a rank's local "
+                      "experts), and its one dispatching path, group_gemm_fused_moe_forward, needs triton on a GPU"),),
         check_layout=".common.parallel.ulysses:check_layout",
     ),
 }
@@ -154,7 +164,9 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
         if dim not in spec.parallel_dims:
             others = backends_with(dim=dim)
             where = f"backend={' or backend='.join(others)}" if others else "no registered backend"
-            problems.append(f"engine.parallel.{dim}={str(value).lower()} (offered by {where})")
+            why = dict(spec.unsupported).get(dim)
+            problems.append(f"engine.parallel.{dim}={str(value).lower()} (offered by {where}"
+                            + (f"; {name}: {why})" if why else ")"))
     for knob, neutral in OPTIONAL_KNOBS.items():
         value = _knob_value(engine, knob)
         if value != neutral and knob not in spec.knobs:
@@ -171,6 +183,19 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
         keys = "the key" if len(problems) == 1 else "those keys"
         raise ValueError(f"the {name} backend does not implement {'; '.join(problems)}; it offers {offers}: unset "
                          f"{keys}, or choose a backend that offers {'it' if len(problems) == 1 else 'them'}")
+
+
+def backends_for_family(model_type: str, *, besides: str | None = None) -> list[str]:
+    """Registered backends that declare `model_type` among their families, or declare none (fsdp:
+    any family transformers builds), other than `besides`; sorted."""
+    def takes(spec: BackendSpec) -> bool:
+        families = spec.families
+        if isinstance(families, str):
+            module_name, attr = families.split(":")
+            families = getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
+        return families is None or model_type in families
+
+    return sorted(name for name, spec in BACKENDS.items() if name != besides and takes(spec))
 
 
 def resolve(target: str | Callable) -> Callable:

@@ -1,7 +1,7 @@
 """Torchrun worker of the conformance suite: one backend's engine through the whole contract on 2
 ranks, each rank writing what it saw to WORKDIR/rank<r>.json (test_conformance.py checks it).
 
-  python -m critic_adapters.tests.conformance.worker BACKEND MODEL_DIR WORKDIR
+  python -m critic_adapters.tests.conformance.worker BACKEND MODEL_DIR WORKDIR [--spec JSON] [--moe MOE_DIR]
 
 In order: a warm-up engine (lazy imports may install their own warning filters or attention
 names once), then a snapshot of the process's state; an engine's coordinates; a save that fails on
@@ -10,6 +10,9 @@ an HF export; then, from that export, one engine at each model-parallel layout o
 backend's spec offers (tensor, pipeline, context, ulysses at degree 2; `layouts`) calling every
 method of the contract; close, then every patched function, environment variable, RNG and warning
 filter compared with the snapshot; then shutdown and the gloo worker threads still alive.
+
+With --moe MOE_DIR, the same layout pass then runs on that mixture-of-experts critic at data
+parallel 2, and at expert parallel 2 where the spec offers it.
 
 A backend that is not built in (a host's, registered in the test process) reaches the worker as
 its spec (--spec JSON: a "module:callable" factory, its dimensions and knobs), registered here
@@ -42,6 +45,7 @@ from critic_adapters.common.engine import RolloutBatch, contract_members
 from critic_adapters.common.parallel.batching import data_parallel_shares
 from critic_adapters.common.tests.helpers import FIELDS
 from critic_adapters.common.engine.registry import BACKENDS, BackendSpec, backend_spec, build_engine, register_backend
+from critic_adapters.common.valuehead import compute_values, load_critic
 
 # Process-wide things an engine might patch: (module name, attribute). Compared by identity.
 WATCHED = [("torch.cuda", name) for name in ("current_device", "synchronize", "empty_cache", "is_available")] + [
@@ -294,12 +298,20 @@ def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a.cpu() - b.cpu()).abs()[mask.bool()].max())
 
 
-def layout_pass(backend: str, layout: str, dist, export_dir: str, reference: torch.Tensor, workdir: str) -> dict:
-    """One engine at `layout`, built from the main pass's export, through every method: its
-    coordinates, the export's values, the step in pieces, an update, a save, the next update, a load
-    of that save, an offload / onload cycle and the same update again (bit for bit), an export
-    written while offloaded. Every rank passes the same rows (the layout is one data-parallel rank)."""
-    engine = build_engine(backend, engine_config(export_dir, ParallelConfig(**LAYOUTS[layout])), dist)
+def moe_layouts(spec: BackendSpec) -> dict[str, dict]:
+    """The mixture-of-experts passes: data parallel 2, and expert parallel 2 where the spec offers it."""
+    return {"moe": {}, **({"moe-expert": {"expert": 2}} if "expert" in spec.parallel_dims else {})}
+
+
+def layout_pass(backend: str, layout: str, dist, export_dir: str, reference: torch.Tensor, workdir: str,
+                parallel: dict | None = None) -> dict:
+    """One engine at `layout` (engine.parallel `parallel`, else LAYOUTS[layout]), built from
+    `export_dir` (the main pass's export), through every method: its coordinates, the export's
+    values, the step in pieces, an update, a save, the next update, a load of that save, an offload /
+    onload cycle and the same update again (bit for bit), an export written while offloaded. Every
+    rank passes the same rows (rollout(0))."""
+    parallel = LAYOUTS[layout] if parallel is None else parallel
+    engine = build_engine(backend, engine_config(export_dir, ParallelConfig(**parallel)), dist)
     batch = rollout(0)
     ids, mask = batch.input_ids, batch.attention_mask
     out = {"degrees": engine.parallel.degrees(), "dp": [engine.dp_rank, engine.dp_size],
@@ -398,6 +410,12 @@ def main() -> None:
     reference = all_gather_object(values, group=torch_dist.group.WORLD)[0]  # rank 0's rows: rollout(0)
     out["layouts"] = {layout: layout_pass(backend, layout, dist, export_dir, reference, workdir)
                       for layout in layouts(backend_spec(backend))}
+    if "--moe" in sys.argv:  # a mixture-of-experts critic written by transformers
+        moe_dir = sys.argv[sys.argv.index("--moe") + 1]
+        batch = rollout(0)
+        moe_reference = compute_values(load_critic(moe_dir)[0], batch.input_ids, batch.attention_mask)
+        out["moe"] = {name: layout_pass(backend, name, dist, moe_dir, moe_reference, workdir, parallel)
+                      for name, parallel in moe_layouts(backend_spec(backend)).items()}
 
     out["side_effects"] = changes(before, snapshot())
     shutdown()
