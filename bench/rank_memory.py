@@ -64,6 +64,25 @@ def write_critic_model(path: str, **sizes) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def write_warmup_model(path: str, model_dir: str) -> None:
+    """A tiny critic of the model's family (its config kept in common/testdata; Qwen2 for the others)."""
+    from transformers import AutoModelForTokenClassification
+
+    from critic_adapters.common.testdata import FAMILIES, tiny_config
+    from critic_adapters.common.valuehead._quiet import quiet_transformers
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        family = json.load(f).get("model_type")
+    if family not in FAMILIES:
+        write_critic_model(path, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+        return
+    config = tiny_config(family)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    with quiet_transformers():
+        AutoModelForTokenClassification.from_config(config).save_pretrained(path)
+
+
 def ratios(record: dict, model_bytes: int) -> dict:
     return {"load_peak": (record["build_peak"] - record["base"]) / model_bytes,
             "kept": (record["after_build"] - record["base"]) / model_bytes,
@@ -105,7 +124,7 @@ def measured_build(backend: str, config, dist, workdir: str):
 
     warmup = os.path.join(workdir, "warmup")
     if dist.is_main:
-        write_critic_model(warmup, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+        write_warmup_model(warmup, config.model.path)
     torch_dist.barrier()
     build_engine(backend, dataclasses.replace(config, model=ModelConfig(path=warmup)), dist).close()
     torch_dist.barrier()

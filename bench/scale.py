@@ -3,6 +3,8 @@ peaks, and how the update's time grows with the row length and the tokens per st
 
   python -m critic_adapters.bench.scale [--backends fsdp,veomni,megatron] [--ranks 1,2] [--out FILE.json]
   python bench/scale.py ...                     (the same, run as a file)
+  python -m critic_adapters.bench.scale --config bench/configs/qwen3_moe_small.json --ranks 2 \
+      --megatron-layout expert=2               (the mixture-of-experts row: megatron at expert parallel 2)
 
 The critic is Qwen2.5-0.5B-shaped (bench/configs/qwen2_5_0_5b.json: hidden 896, 24 layers, 14 heads,
 2 KV heads, intermediate 4864, vocabulary 151936; 494M parameters), random, written by
@@ -110,8 +112,9 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str, plan_json: s
     shutdown()
 
 
-def run(backend: str, ranks: int, model_dir: str, workdir: str, plan: list) -> list[dict]:
-    layout = "tensor=2" if backend == "megatron" and ranks == 2 else f"data={ranks}"
+def run(backend: str, ranks: int, model_dir: str, workdir: str, plan: list, megatron_layout: str = "tensor=2"
+        ) -> list[dict]:
+    layout = megatron_layout if backend == "megatron" and ranks == 2 else f"data={ranks}"
     env = dict(os.environ)
     if ranks == 1:
         env.pop("OMP_NUM_THREADS", None)  # one rank: every core
@@ -142,6 +145,8 @@ def main(argv=None) -> int:
                         help="row lengths of the first backend's sweep at 1 rank (tokens per update: the largest)")
     parser.add_argument("--sweep-tokens", default=",".join(map(str, TOKENS)),
                         help="tokens per update of the first backend's sweep at 1 rank (rows of the smallest length)")
+    parser.add_argument("--megatron-layout", default="tensor=2",
+                        help="megatron's layout at 2 ranks (expert=2 for a mixture-of-experts critic)")
     parser.add_argument("--out", help="write the results as JSON here too")
     args = parser.parse_args(argv)
     backends = args.backends.split(",")
@@ -155,6 +160,7 @@ def main(argv=None) -> int:
         parameters = write_model(args.config, model_dir)
         print(f"critic: {parameters / 1e6:.0f}M parameters ({args.config}); fp32 AdamW state: 16 bytes/parameter",
               flush=True)
+        print(f"megatron at 2 ranks: {args.megatron_layout}")
         print("| backend | ranks | update tokens/s | MFU | update peak per rank (bytes/param) | load peak per rank "
               "(x fp32 model) | export peak per rank (x fp32 model) |")
         print("|---|---|---|---|---|---|---|")
@@ -167,7 +173,7 @@ def main(argv=None) -> int:
                     plan += [(lengths[0], tokens) for tokens in sweep_tokens if (lengths[0], tokens) not in plan]
                 workdir = os.path.join(tmp, f"{backend}-{ranks}")
                 os.makedirs(workdir)
-                records = run(backend, ranks, model_dir, workdir, plan)
+                records = run(backend, ranks, model_dir, workdir, plan, args.megatron_layout)
                 model_bytes = 4 * records[0]["parameters"]
                 main_step = records[0]["steps"][0]
                 row = {"backend": backend, "ranks": ranks, "steps": records[0]["steps"],

@@ -51,20 +51,22 @@ def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
 
 
 def test_the_scale_benchmark_measures_each_run(tmp_path):
-    """bench/scale.py on a tiny config (the fsdp engine at 1 and 2 ranks): every run's update, the
-    1-rank sweep over row lengths and tokens, and the per-backend last line."""
+    """bench/scale.py on a tiny mixture-of-experts config (fsdp at 1 and 2 ranks, megatron at expert
+    parallel 2): every run's update, the 1-rank sweep over row lengths and tokens, and the
+    per-backend last line."""
     import json
 
     out = tmp_path / "scale.json"
-    config = os.path.join(os.path.dirname(HERE), "common", "testdata", "configs", "qwen2.json")
-    result = _run([sys.executable, "-m", "critic_adapters.bench.scale", "--config", config, "--backends", "fsdp",
-                   "--ranks", "1,2", "--tokens", "64", "--lengths", "32,64", "--sweep-tokens", "32,64",
-                   "--out", str(out)], cwd=tmp_path, PYTHONPATH=os.path.dirname(HERE))
+    config = os.path.join(os.path.dirname(HERE), "common", "testdata", "configs", "qwen3_moe.json")
+    result = _run([sys.executable, "-m", "critic_adapters.bench.scale", "--config", config, "--backends",
+                   "fsdp,megatron", "--ranks", "1,2", "--megatron-layout", "expert=2", "--tokens", "64", "--lengths",
+                   "32,64", "--sweep-tokens", "32,64", "--out", str(out)], cwd=tmp_path, PYTHONPATH=os.path.dirname(HERE))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "megatron at 2 ranks: expert=2" in result.stdout
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith("scale: fsdp mfu=") and "peak/param=" in last, last
+    assert last.startswith("scale: megatron mfu=") and "peak/param=" in last, last
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["backend"], r["ranks"]) for r in rows] == [("fsdp", 1), ("fsdp", 2)]
+    assert [(r["backend"], r["ranks"]) for r in rows] == [("fsdp", 1), ("fsdp", 2), ("megatron", 1), ("megatron", 2)]
     sweep = [(s["length"], s["tokens"]) for s in rows[0]["steps"]]
     assert sweep == [(32, 64), (32, 64), (64, 64), (32, 32)]  # the measured update, then the sweep
     assert len(rows[1]["steps"]) == 1 and len(rows[1]["load_peak"]) == 2

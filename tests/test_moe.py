@@ -234,11 +234,22 @@ def test_veomni_refuses_the_moe_families_it_does_not_model_naming_the_backends_t
         check_family_registered(tiny_config(family))
 
 
+def test_lora_on_the_routed_experts_is_refused_saying_why(checkpoints):
+    """fsdp / VeOmni: LoRA adapts linear layers; transformers' routed experts are fused tensors."""
+    from critic_adapters.common.engine.lora import check_targets
+
+    model = reference(checkpoints["qwen3_moe"])
+    with pytest.raises(ValueError, match=r"names \['gate_proj', 'up_proj', 'down_proj'\].*qwen3_moe is a mixture "
+                                         r"of experts.*fused \[experts, ...\] tensors"):
+        check_targets(model, LoRAConfig(rank=4))  # the default targets include the MLP projections
+    check_targets(model, LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"]))  # attention: taken
+
+
 def test_megatron_lora_on_experts_is_refused_with_the_backend_that_takes_it():
     from critic_adapters.backends.megatron.config import check_layout
 
     config = EngineConfig(model=ModelConfig(path="-"), lora=LoRAConfig(rank=4))
-    with pytest.raises(ValueError, match="no LoRA for mixture-of-experts critics.*use backend=fsdp"):
+    with pytest.raises(ValueError, match="no LoRA for mixture-of-experts critics.*use backend=fsdp"):  # attention
         check_layout(tiny_config("mixtral"), config, 1)
 
 

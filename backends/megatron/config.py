@@ -176,7 +176,7 @@ def check_megatron_lora(traits: FamilyTraits, hf_config: PretrainedConfig) -> No
     if traits.moe is not None:
         raise ValueError(f"engine.lora on {hf_config.model_type}: the megatron backend has no LoRA for mixture-of-"
                          f"experts critics (its adapters wrap the dense linears, not megatron-core's experts); use "
-                         f"backend=fsdp, whose LoRA adapts the attention and, through peft, the experts")
+                         f"backend=fsdp, whose LoRA adapts the attention (and qwen2_moe's shared expert)")
 
 
 # The HF projections the megatron backend's LoRA adapts (lora.py: one adapter per part of a megatron linear).

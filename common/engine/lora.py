@@ -25,6 +25,7 @@ from .config import LoRAConfig
 from .transforms import ModelTransform
 from ..valuehead.adapter import ADAPTER, ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter, read_adapter_config
 from ..valuehead.config import head_name
+from ..valuehead.experts import experts_of
 
 def _is_lora_key(name: str) -> bool:
     """A LoRA weight of the injected critic (`<module>.lora_A.default.weight`, ...)."""
@@ -52,8 +53,14 @@ def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
     missing = [target for target in lora.target_modules if target not in present]
     if missing:
         family = getattr(model.config, "model_type", "this model")
-        raise ValueError(f"engine.lora.target_modules names {missing}, which {family} does not have as linear layers; "
-                         f"it has {sorted(present - {head_name(model.config)})}")
+        why = ""
+        if experts_of(model.config) is not None:
+            why = (f" ({family} is a mixture of experts: transformers keeps each layer's routed experts as fused "
+                   f"[experts, ...] tensors (mlp.experts.gate_up_proj, down_proj), not linear layers, and LoRA on "
+                   f"them (peft's target_parameters) is not supported by the engines yet; the experts then train "
+                   f"frozen)")
+        raise ValueError(f"engine.lora.target_modules names {missing}, which {family} does not have as linear layers"
+                         f"{why}; it has {sorted(present - {head_name(model.config)})}")
 
 
 def _inject(model: torch.nn.Module, lora: LoRAConfig) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from ..parallel.distributed import all_reduce, world_group
 from ..parallel.host_memory import peak_resident_bytes, reset_peak
+from ..valuehead.experts import experts_of
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets), for MFU on GPU; others are measured.
 BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12,
@@ -79,10 +80,14 @@ class ModelShape:
         text = hf_config.get_text_config()
         trainable, total = engine.parameter_counts()
         embedding = text.vocab_size * text.hidden_size
+        # A mixture of experts: each token goes through top_k of the routed experts, not all of them.
+        experts = experts_of(text)
+        idle = experts.idle_parameters if experts is not None else 0
         # The embedding is a lookup, not a matmul; counted as trainable only what the others can hold
         # (a frozen embedding under full training, LoRA's adapters, the head).
-        return cls(max(total - embedding, 0), max(min(trainable, total - embedding), 0), text.num_hidden_layers,
-                   text.hidden_size)
+        active = max(total - embedding - idle, 0)
+        return cls(active, max(min(trainable - idle if trainable == total else trainable, active), 0),
+                   text.num_hidden_layers, text.hidden_size)
 
     def training_flops(self, lengths: torch.Tensor) -> float:
         """Model FLOPs of one update over rows of these lengths (non-padding tokens)."""

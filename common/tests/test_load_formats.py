@@ -112,6 +112,9 @@ SLICED_CASES = [(b, k, {}) for b, k, *_ in WITH_HEAD] + [
     (build.trl_value_head, {}, {"value_head": HLGaussSupport(7, -1.0, 1.0, 0.75), "init_from_scalar_head": True}),
     (build.trl_sidecar, {"suffix": "safetensors"}, {"value_head": HLGaussSupport(5, -1.0, 1.0, 0.75),
                                                     "init_from_scalar_head": True}),
+    # Mixture of experts: per-expert tensors on disk, stacked by transformers as it loads.
+    *[(build.moe_token_classification, {"family": family}, {}) for family in ("mixtral", "qwen2_moe", "qwen3_moe")],
+    (build.causal_lm, {"family": "qwen2_moe"}, {}),
 ]
 
 
@@ -134,16 +137,37 @@ def test_a_sliced_read_is_what_load_critic_loads(tmp_path, builder, kwargs, opti
             assert torch.equal(sliced.read(name, (1, rows)), tensor[1:]), name
 
 
+def test_a_sliced_read_of_fused_experts_on_disk(tmp_path):
+    """The export writes transformers' in-memory form (one [experts, ...] tensor per layer and
+    projection), which transformers loads as it is: read the same way."""
+    from critic_adapters.common.valuehead import save_critic
+
+    path, _ = build.moe_token_classification(str(tmp_path), "qwen3_moe")
+    model, _ = load_critic(path)
+    fused = save_critic(model, str(tmp_path / "fused"))
+    sliced = open_sliced(fused)
+    assert not isinstance(sliced, str), sliced
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(sliced.read(name), tensor), name
+    experts = model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(sliced.read("model.layers.1.mlp.experts.gate_up_proj", (2, 4)), experts[2:4])
+
+
 def test_a_sliced_read_refuses_what_load_critic_refuses(tmp_path):
     """A corrupt tensor and an unknown head name fail as load_critic fails (or go to it to fail);
-    .bin weights and transformers' own weight conversions are loaded whole."""
+    .bin weights and an incomplete set of experts go to load_critic whole."""
     path, _ = build.token_classification(str(tmp_path / "bin"))
     model, _ = load_critic(path)
     torch.save(model.state_dict(), os.path.join(path, "pytorch_model.bin"))
     os.remove(os.path.join(path, "model.safetensors"))
     assert "not safetensors (pytorch_model.bin)" in open_sliced(path)
     path, _ = build.causal_lm(str(tmp_path / "moe"), "qwen2_moe")
-    assert "transformers converts" in open_sliced(path)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    del weights["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    assert "experts are incomplete" in open_sliced(path)
     path, _ = build.unknown_head_name(str(tmp_path / "unknown"))
     assert "does not use" in open_sliced(path)
     path, _ = build.token_classification(str(tmp_path / "nan"))

@@ -54,6 +54,23 @@ def test_model_flops_are_what_torch_counts_for_a_training_step(frozen):
     assert formula == pytest.approx(counted, rel=0.10 if frozen else 0.03), (formula, counted)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_counts_the_experts_a_token_goes_through(family):
+    """Each token passes top_k of the routed experts (and a shared expert): torch counts the matmuls
+    of the experts that run on the tokens routed to them; counting every expert would overstate
+    the FLOPs by half (4 experts, top-2). Eager experts: torch has no FLOP formula for the
+    grouped matmul transformers runs them with by default."""
+    model = _critic(family, _attn_implementation="eager", _experts_implementation="eager")
+    shape = ModelShape.of(_Engine(model), model.config)
+    counted = 0
+    for length in (24, 40):
+        ids = torch.randint(3, 200, (1, length))
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids).logits.sum().backward()
+        counted += counter.get_total_flops()
+    assert shape.training_flops(torch.tensor([24, 40])) == pytest.approx(counted, rel=0.03)
+
+
 def test_value_and_return_statistics_are_over_response_tokens():
     g = torch.Generator().manual_seed(0)
     values, returns = torch.randn(4, 9, generator=g), torch.randn(4, 9, generator=g) * 2 + 1

@@ -23,6 +23,15 @@ class Experts:
     """The shared expert(s) every token also goes through, described (qwen2_moe, deepseek_v3)."""
     moe_layers: int
     layers: int
+    ffn: int = 0
+    """Each routed expert's intermediate size."""
+    hidden: int = 0
+
+    @property
+    def idle_parameters(self) -> int:
+        """Routed-expert parameters a token does not go through (SwiGLU experts: 3 * hidden * ffn each,
+        routed - top_k per MoE layer): what model FLOPs leave out of the parameter count."""
+        return self.moe_layers * (self.routed - self.top_k) * 3 * self.hidden * self.ffn
 
     def __str__(self) -> str:
         weights = {True: ", renormalised", False: ", not renormalised", None: ""}[self.renormalised]
@@ -62,8 +71,10 @@ def experts_of(config: PretrainedConfig) -> Experts | None:
         shared = f"a gated shared expert of width {config.shared_expert_intermediate_size}"
     elif getattr(config, "n_shared_experts", None):
         shared = f"{config.n_shared_experts} shared expert(s)"
+    ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # mixtral: intermediate_size
     return Experts(routed=routed, top_k=top_k, renormalised=renormalised, shared=shared,
-                   moe_layers=sum(moe_layer_flags(config)), layers=config.num_hidden_layers)
+                   moe_layers=sum(moe_layer_flags(config)), layers=config.num_hidden_layers, ffn=ffn,
+                   hidden=config.hidden_size)
 
 
 def describe_experts(config: PretrainedConfig) -> str | None:

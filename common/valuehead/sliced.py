@@ -9,10 +9,12 @@ then ever holds more than its part plus one tensor in flight.
 
 The checkpoint's key names are mapped to the critic's by transformers' own renaming
 (`get_model_conversion_mapping` + `rename_source_key`, with the detected format's key_mapping),
-so the names are the ones `from_pretrained` would give. Whatever needs more than a renaming —
-.bin files, a weight converter transformers applies (fused MoE experts), an adapter to merge,
-keys that are missing, unexpected or of another shape — is answered with a reason instead, and
-the caller loads the whole critic with load_critic (which gives the authoritative error, if any).
+so the names are the ones `from_pretrained` would give. transformers 5 stacks a MoE layer's
+per-expert tensors into one [experts, ...] tensor (a weight converter): those are read expert by
+expert (a row range of the fused tensor is a range of experts). Whatever needs more — .bin
+files, another weight converter, an adapter to merge, keys that are missing, unexpected or of
+another shape — is answered with a reason instead, and the caller loads the whole critic with
+load_critic (which gives the authoritative error, if any).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import struct
 
 import torch
@@ -80,6 +83,26 @@ def read_rows(stored: _Stored, start: int, stop: int) -> torch.Tensor:
     return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StackedExperts:
+    """A critic tensor transformers fuses from per-expert checkpoint tensors (a MoE layer's
+    `mlp.experts.gate_up_proj` [experts, gate + up rows, H] and `down_proj` [experts, H, ffn]):
+    parts[k][e] is part k (gate, up) of expert e. Rows of dim 0 are experts."""
+
+    parts: tuple[tuple[_Stored, ...], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0][0].shape
+        return (len(self.parts[0]), sum(part[0].shape[0] for part in self.parts), *first[1:])
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        """Experts [start, stop): each expert's parts read whole and concatenated, then stacked."""
+        experts = [torch.cat([read_rows(part[e], 0, part[e].shape[0]) for part in self.parts])
+                   for e in range(start, stop)]
+        return torch.stack(experts) if experts else torch.empty((0, *self.shape[1:]), dtype=self.parts[0][0].dtype)
+
+
 @dataclasses.dataclass
 class SlicedCritic:
     """The critic load_critic would build from `path`, readable by tensor and row range."""
@@ -92,7 +115,7 @@ class SlicedCritic:
     dtypes: dict[str, torch.dtype]
     """... and the dtype `read` gives it."""
     dtype: torch.dtype
-    _stored: dict[str, _Stored]
+    _stored: dict[str, "_Stored | _StackedExperts"]
     _head: dict[str, torch.Tensor]
     _checked: frozenset[str]
 
@@ -106,7 +129,10 @@ class SlicedCritic:
         else:
             stored = self._stored[name]
             start, stop = rows if rows is not None else (0, stored.shape[0] if stored.shape else 1)
-            tensor = read_rows(stored, start, stop) if stored.shape else read_rows(stored, 0, 1).reshape(())
+            if isinstance(stored, _StackedExperts):
+                tensor = stored.read(start, stop)
+            else:
+                tensor = read_rows(stored, start, stop) if stored.shape else read_rows(stored, 0, 1).reshape(())
         tensor = tensor.to(self.dtypes.get(name, self.dtype)) if tensor.is_floating_point() else tensor
         if name in self._checked:
             bad = int((~torch.isfinite(tensor)).sum())
@@ -124,8 +150,25 @@ def meta_critic(config, dtype: torch.dtype, attn: str | None = None) -> torch.nn
         return install_value_head(cls._from_config(config, attn_implementation=attn, dtype=dtype))
 
 
-def _critic_names(index, model, key_mapping: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """({critic name: checkpoint key} as from_pretrained renames them, None) or ({}, why not)."""
+def _expert_stack(converter) -> list[re.Pattern] | None:
+    """The source patterns (as regexes capturing the expert index) of a weight converter that
+    stacks per-expert tensors (MergeModulelist(dim=0)), then concatenates its parts (Concatenate(dim=1),
+    gate and up): what transformers 5 does to every MoE family's experts. None for any other converter."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(converter.operations or ())
+    stacks = ops[:1] and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+    concatenates = ops[1:] == [] or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)
+    patterns = list(converter.source_patterns)
+    if not (stacks and concatenates) or not all(p.count("*") == 1 for p in patterns):
+        return None
+    return [re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in patterns]
+
+
+def _critic_names(index, model, key_mapping: dict[str, str]
+                  ) -> tuple[dict[str, str], dict[str, dict[tuple[int, int], str]], str | None]:
+    """({critic name: checkpoint key} as from_pretrained renames them, {fused critic name: {(part,
+    expert): checkpoint key}} for experts transformers stacks, None), or ({}, {}, why not)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
@@ -134,14 +177,36 @@ def _critic_names(index, model, key_mapping: dict[str, str]) -> tuple[dict[str, 
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta_state = model.state_dict()
     names: dict[str, str] = {}
+    fused: dict[str, dict[tuple[int, int], str]] = {}
     for key in index.tensors:
-        name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
-        if converter is not None:
-            return {}, f"transformers converts {key} ({converter}), not only renames it"
+        # (the source pattern of the converter that matched, if one did)
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
+        if pattern is not None:
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            part = list(converter.source_patterns).index(pattern)
+            regexes = _expert_stack(converter)
+            match = regexes[part].search(key) if regexes else None
+            if match is None:
+                return {}, {}, f"transformers converts {key} ({pattern} -> {converter.target_patterns}), not only " \
+                               f"renames it"
+            fused.setdefault(name, {})[(part, int(match.group(1)))] = key
+            continue
         if name in names:
-            return {}, f"{key} and {names[name]} both map to {name}"
+            return {}, {}, f"{key} and {names[name]} both map to {name}"
         names[name] = key
-    return names, None
+    return names, fused, None
+
+
+def _stacked(parts: dict[tuple[int, int], str], locations: dict[str, _Stored]) -> _StackedExperts | str:
+    """The fused tensor's per-expert pieces in order, or why they do not make a whole one."""
+    count = 1 + max(e for _, e in parts)
+    part_count = 1 + max(k for k, _ in parts)
+    if len(parts) != count * part_count:
+        return f"the checkpoint's experts are incomplete ({sorted(parts)[:3]}...)"
+    stacked = _StackedExperts(tuple(tuple(locations[parts[(k, e)]] for e in range(count)) for k in range(part_count)))
+    if any(len({s.shape for s in part}) != 1 for part in stacked.parts):
+        return "the checkpoint's experts differ in shape"
+    return stacked
 
 
 def open_sliced(path: str, *, torch_dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
@@ -166,12 +231,21 @@ def open_sliced(path: str, *, torch_dtype: torch.dtype = torch.float32, attn_imp
     attn = select_attn_implementation(critic_class(config), attn_implementation)
     model = meta_critic(config, torch_dtype, attn)
     key_mapping = detection.key_mapping(head_attr, include_head=not new_head)
-    names, why = _critic_names(index, model, key_mapping)
+    names, fused, why = _critic_names(index, model, key_mapping)
     if why:
         return why
+    locations: dict[str, _Stored] = {}
+    for file in index.weight_files:
+        locations.update(_data_locations(os.path.join(path, file)))
+    experts = {name: _stacked(parts, locations) for name, parts in fused.items()}
+    broken = [why for why in experts.values() if isinstance(why, str)]
+    if broken:
+        return broken[0]
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     # The same key accounting as load_critic's (transformers' loading info, then _check_loading_info).
     mismatched = {name for name in set(shapes) & set(names) if index.tensors[names[name]].shape != shapes[name]}
+    mismatched |= {name for name, stack in experts.items() if name in shapes and stack.shape != shapes[name]}
+    names.update({name: next(iter(parts.values())) for name, parts in fused.items()})  # (for the key accounting)
     head_keys = {f"{head_attr}.weight", f"{head_attr}.bias"}
     if plan.head_changes:  # a stored head of the other kind is not loaded: reported unexpected
         mismatched -= head_keys
@@ -184,10 +258,8 @@ def open_sliced(path: str, *, torch_dtype: torch.dtype = torch.float32, attn_imp
         return f"the checkpoint lacks {missing[:3]}"
     if not new_head and set(unexpected) - plan.projections:
         return f"the checkpoint holds tensors the critic does not use: {unexpected[:3]}"
-    locations: dict[str, _Stored] = {}
-    for file in index.weight_files:
-        locations.update(_data_locations(os.path.join(path, file)))
-    stored = {name: locations[key] for name, key in names.items() if name in shapes and name not in unexpected}
+    stored = {name: experts[name] if name in experts else locations[key] for name, key in names.items()
+              if name in shapes and name not in unexpected}
 
     score = critic_head(model)
     head, (head_state, bias_state) = head_tensors(
