@@ -7,7 +7,8 @@ RUNS_JSON: {name: {"backend", "model", "parallel": {engine.parallel}, "router_au
 (conformance.worker.rollout(dp_rank)). Rank 0 writes WORKDIR/result.pt: the values of each
 data-parallel rank's rows before and after one update, its metrics; a saving run then saves a
 checkpoint (WORKDIR/checkpoint) and records its next update and values; a resuming run loads the
-named run's checkpoint first, and records the same; an exporting run writes WORKDIR/hf_export.
+named run's checkpoint first, and records the same; an exporting run writes WORKDIR/hf_export. A
+training run also records the HF critic's parameters after its update (state_after).
 """
 
 import json
@@ -21,6 +22,7 @@ from critic_adapters.common.engine.config import EngineConfig, LossConfig, Model
 from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.common.parallel.distributed import all_gather_object, init_distributed, shutdown
 from critic_adapters.tests.conformance.worker import rollout
+from critic_adapters.tests.transform_worker import parameters
 
 LR = 1e-2
 # Adam's first step moves a weight by about LR * g / (|g| + eps): with the usual 1e-8, weights whose
@@ -37,6 +39,13 @@ def engine_config(spec: dict) -> EngineConfig:
 def by_data_rank(engine, values: torch.Tensor) -> dict[int, torch.Tensor]:
     """{data-parallel rank: its rows' values}, from every rank (model-parallel peers agree)."""
     return dict(all_gather_object((engine.parallel.dp_rank, values), group=engine.parallel.world_group))
+
+
+def full_state(engine) -> dict | None:
+    """The HF critic's parameters by name, whole, on rank 0 (megatron: its HF state dict)."""
+    if hasattr(engine, "hf_state_dict"):
+        return engine.hf_state_dict()
+    return parameters(engine)
 
 
 def main() -> None:
@@ -63,6 +72,7 @@ def run(dist, spec: dict, runs: dict) -> dict:
         return result
     result["values_before"] = by_data_rank(engine, engine.compute_values(batch.input_ids, batch.attention_mask))
     result["metrics"] = engine.update(batch)
+    result["state_after"] = full_state(engine)
     result["values_after"] = by_data_rank(engine, engine.compute_values(batch.input_ids, batch.attention_mask))
     if spec.get("export"):
         engine.export_hf(os.path.join(spec["workdir"], "hf_export"))

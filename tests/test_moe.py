@@ -2,7 +2,8 @@
 backend that takes them, checked against transformers itself on checkpoints transformers wrote:
 megatron at expert parallel 2, expert parallel 1 (data parallel 2), tensor parallel 2 (with the
 sequence parallelism megatron's MoE layer needs) and pipeline parallel 2; fsdp; VeOmni's own MoE
-modeling (qwen3_moe). Each run's values equal transformers' forward (<= 1e-4), and one update equals
+modeling (qwen3_moe); from transformers' TokenCls, a trl value head and a sidecar head. Each run's
+values equal transformers' forward (<= 1e-4), and one update equals
 an independent transformers + AdamW step on every data-parallel rank's rollout (the value loss
 alone: no router load-balancing loss). A megatron checkpoint written at expert parallel 2 resumes
 at expert parallel 1 identically; its HF export loads in plain transformers with the engine's values."""
@@ -26,11 +27,15 @@ from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.moe_worker import EPS, LR
 
 AUX = 0.5  # engine.loss.router_aux_coef of the *-aux runs
-# name: (backend, family, engine.parallel, worker options); run in this order (a resume after its save).
+# name: (backend, checkpoint (a family: its TokenCls), engine.parallel, worker options); run in this order
+# (a resume after its save).
 RUNS = {
     **{f"megatron-ep2-{f}": ("megatron", f, {"expert": 2}, {}) for f in MOE_FAMILIES},
     **{f"megatron-tp2-{f}": ("megatron", f, {"tensor": 2, "sequence_parallel": True}, {}) for f in MOE_FAMILIES},
     "megatron-ep1-qwen2_moe": ("megatron", "qwen2_moe", {}, {}),
+    # The other formats load_critic reads for these families: a trl value head, a sidecar head.
+    "megatron-ep2-trl-qwen3_moe": ("megatron", "trl-qwen3_moe", {"expert": 2}, {}),
+    "megatron-ep2-sidecar-mixtral": ("megatron", "sidecar-mixtral", {"expert": 2}, {}),
     "megatron-pp2-qwen2_moe": ("megatron", "qwen2_moe", {"pipeline": 2}, {}),
     "megatron-ep2-saves": ("megatron", "qwen3_moe", {"expert": 2}, {"save": True, "export": True}),
     "megatron-ep1-resumes": ("megatron", "qwen3_moe", {}, {"resume": "megatron-ep2-saves"}),
@@ -49,16 +54,19 @@ TRAINING_RUNS = sorted(name for name, (*_, options) in RUNS.items() if "resume" 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe"))
-    return {family: checkpoint_builders.moe_token_classification(root, family)[0] for family in MOE_FAMILIES}
+    paths = {family: checkpoint_builders.moe_token_classification(root, family)[0] for family in MOE_FAMILIES}
+    paths["trl-qwen3_moe"] = checkpoint_builders.moe_trl(root, "qwen3_moe")[0]
+    paths["sidecar-mixtral"] = checkpoint_builders.moe_trl(root, "mixtral", sidecar=True)[0]
+    return paths
 
 
 @pytest.fixture(scope="module")
 def results(checkpoints, tmp_path_factory):
     """{run: result.pt of tests/moe_worker.py}: every run in one torchrun of 2 processes."""
     specs, works = {}, {}
-    for name, (backend, family, parallel, options) in RUNS.items():
+    for name, (backend, checkpoint, parallel, options) in RUNS.items():
         works[name] = tmp_path_factory.mktemp(name)
-        specs[name] = {"backend": backend, "model": checkpoints[family], "parallel": parallel,
+        specs[name] = {"backend": backend, "model": checkpoints[checkpoint], "parallel": parallel,
                        "workdir": str(works[name]), **options}
     run_torchrun(2, "critic_adapters.tests.moe_worker", json.dumps(specs), env=worker_env(PYTHONWARNINGS="ignore"),
                  timeout=900)
@@ -139,14 +147,27 @@ def test_one_update_equals_a_transformers_adamw_step(name, results, checkpoints)
     metrics = result["metrics"]
     assert metrics["value_loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
+    # Every parameter after the step, each expert's included. Adam's first step moves a weight by
+    # LR * g / (|g| + eps), LR = 1e-2, about LR * sign(g): a gradient of the wrong sign or routed to the
+    # wrong expert moves it 2e-2 the other way. Weights whose gradient is near eps turn rounding into
+    # up to 1e-3 (a few of them, 0.1% at most); the rest agree to rounding.
+    state = result["state_after"]
+    off, total = 0, 0
+    for name, param in model.named_parameters():
+        diff = (state[name].float() - param.detach()).abs()
+        assert diff.max() <= 2e-3, (name, float(diff.max()))
+        off, total = off + int((diff > 1e-5).sum()), total + diff.numel()
+    assert off <= total // 1000, (off, total)
     model.eval()
     for rank, after in result["values_after"].items():
         batch = rollout(rank)
         with torch.no_grad():
             expected = compute_values(model, batch.input_ids, batch.attention_mask)
-        assert torch.allclose(after[real(batch)], expected[real(batch)], atol=2e-4), \
+        # (looser than before the step: a token whose two best experts the step brought within
+        # rounding of each other may route differently)
+        assert torch.allclose(after[real(batch)], expected[real(batch)], atol=2e-3), \
             (after[real(batch)] - expected[real(batch)]).abs().max()
-        assert not torch.allclose(after, result["values_before"][rank], atol=1e-3)  # it learned
+        assert not torch.allclose(after, result["values_before"][rank], atol=1e-2)  # it learned
 
 
 @pytest.mark.parametrize("name", [name for name in TRAINING_RUNS if name.endswith("-aux")])

@@ -141,15 +141,9 @@ def token_classification(root: str, *, label_as_causal_lm: bool = False, family:
     return path, lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
 
 
-def moe_token_classification(root: str, family: str, seed: int = 4):
-    """A mixture-of-experts *ForTokenClassification(num_labels=1) written by transformers, with
-    decisive routing and experts that matter: router weights N(0, 1) (no near-ties between experts,
-    which any two implementations could break differently) and expert weights N(0, 0.1)."""
-    config = tiny_config(family)
-    config.num_labels = 1
-    config.classifier_dropout = 0.0
-    torch.manual_seed(seed)
-    model = AutoModelForTokenClassification.from_config(config).eval()
+def _decisive_experts(model, seed: int) -> None:
+    """Router weights N(0, 1) (no near-ties between experts, which any two implementations could break
+    differently) and expert weights N(0, 0.1) (experts that matter to the values)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -157,10 +151,45 @@ def moe_token_classification(root: str, family: str, seed: int = 4):
                 param.copy_(torch.randn(param.shape, generator=g))
             elif ".mlp.experts." in name or ".shared_expert" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+
+
+def moe_token_classification(root: str, family: str, seed: int = 4):
+    """A mixture-of-experts *ForTokenClassification(num_labels=1) written by transformers, with
+    decisive routing and experts that matter (_decisive_experts)."""
+    config = tiny_config(family)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(config).eval()
+    _decisive_experts(model, seed)
+    with torch.no_grad():
         model.score.bias.fill_(0.3)
     path = os.path.join(root, f"moe-{family}")
     _save(model, path)
     return path, lambda ids, mask: model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+
+
+def moe_trl(root: str, family: str, *, sidecar: bool = False, seed: int = 5):
+    """A mixture-of-experts causal LM with a trl value head: written by trl's own save_pretrained
+    (inline `v_head.summary.*`), or as the base model plus value_head.safetensors (sidecar)."""
+    base = tiny_causal_lm(family, seed)
+    _decisive_experts(base, seed)
+    wrapper = trl_value_head_class().from_pretrained(base, summary_dropout_prob=0.0)
+    # values of the returns' size (|v| ~ 1): a head that puts them at 10 makes the first update's loss
+    # large and its clipped gradients tiny, where Adam's eps turns rounding into visible differences
+    head = {name: tensor * 0.1 for name, tensor in _seeded_head(base.config.hidden_size, seed=seed).items()}
+    with torch.no_grad():
+        for name, tensor in head.items():
+            getattr(wrapper.v_head.summary, name).copy_(tensor)
+    path = os.path.join(root, f"moe-trl-{'sidecar-' if sidecar else ''}{family}")
+    if sidecar:
+        _save(base, path)
+        save_file({f"v_head.summary.{k}": v.contiguous() for k, v in head.items()},
+                  os.path.join(path, "value_head.safetensors"))
+    else:
+        _save(wrapper, path)
+    wrapper.eval()
+    return path, lambda ids, mask: wrapper(input_ids=ids, attention_mask=mask)[2]
 
 
 def sequence_classification(root: str):
