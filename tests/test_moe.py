@@ -2,7 +2,7 @@
 backend that takes them, checked against transformers itself on checkpoints transformers wrote:
 megatron at expert parallel 2, expert parallel 1 (data parallel 2), tensor parallel 2 (with the
 sequence parallelism megatron's MoE layer needs) and pipeline parallel 2; fsdp; VeOmni's own MoE
-modeling (qwen3_moe); from transformers' TokenCls, a trl value head and a sidecar head. Each run's
+modeling (qwen3_moe, deepseek_v3); fsdp and VeOmni on deepseek_v3 too; from transformers' TokenCls, a trl value head and a sidecar head. Each run's
 values equal transformers' forward (<= 1e-4), and one update equals
 an independent transformers + AdamW step on every data-parallel rank's rollout (the value loss
 alone: no router load-balancing loss). A megatron checkpoint written at expert parallel 2 resumes
@@ -41,6 +41,9 @@ RUNS = {
     "megatron-ep1-resumes": ("megatron", "qwen3_moe", {}, {"resume": "megatron-ep2-saves"}),
     **{f"fsdp-{f}": ("fsdp", f, {}, {}) for f in MOE_FAMILIES},
     "veomni-qwen3_moe": ("veomni", "qwen3_moe", {}, {}),
+    # deepseek_v3 (sigmoid router, a shared expert, a dense first layer): fsdp, and VeOmni's modeling.
+    "fsdp-deepseek_v3": ("fsdp", "deepseek_v3", {}, {}),
+    "veomni-deepseek_v3": ("veomni", "deepseek_v3", {}, {}),
     # engine.loss.router_aux_coef: transformers' load-balancing loss added with it.
     "megatron-ep2-qwen2_moe-aux": ("megatron", "qwen2_moe", {"expert": 2}, {"router_aux_coef": AUX}),
     "megatron-tp2-mixtral-aux": ("megatron", "mixtral", {"tensor": 2, "sequence_parallel": True},
@@ -54,7 +57,8 @@ TRAINING_RUNS = sorted(name for name, (*_, options) in RUNS.items() if "resume" 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe"))
-    paths = {family: checkpoint_builders.moe_token_classification(root, family)[0] for family in MOE_FAMILIES}
+    paths = {family: checkpoint_builders.moe_token_classification(root, family)[0]
+             for family in (*MOE_FAMILIES, "deepseek_v3")}
     paths["trl-qwen3_moe"] = checkpoint_builders.moe_trl(root, "qwen3_moe")[0]
     paths["sidecar-mixtral"] = checkpoint_builders.moe_trl(root, "mixtral", sidecar=True)[0]
     return paths
