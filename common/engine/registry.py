@@ -187,12 +187,16 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
 
 def backends_for_family(model_type: str, *, besides: str | None = None) -> list[str]:
     """Registered backends that declare `model_type` among their families, or declare none (fsdp:
-    any family transformers builds), other than `besides`; sorted."""
+    any family transformers builds), other than `besides` and those whose families module this
+    build lacks; sorted."""
     def takes(spec: BackendSpec) -> bool:
         families = spec.families
         if isinstance(families, str):
             module_name, attr = families.split(":")
-            families = getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
+            try:
+                families = getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
+            except ImportError:  # the backend is not part of this build (a Bazel target, a vendored subset)
+                return False
         return families is None or model_type in families
 
     return sorted(name for name, spec in BACKENDS.items() if name != besides and takes(spec))

@@ -9,6 +9,7 @@ from critic_adapters.common.engine.registry import (
     BACKENDS,
     BackendSpec,
     backend_spec,
+    backends_for_family,
     build_engine,
     check_engine_config,
     register_backend,
@@ -48,6 +49,21 @@ def test_knobs_a_backend_ignores_are_errors_naming_the_backends_that_honour_them
         check_engine_config("megatron", EngineConfig(model=ModelConfig(attn_implementation="eager")))
     check_engine_config("fsdp", EngineConfig(cpu_offload=True, transforms=["freeze_backbone"]))
     check_engine_config("megatron", EngineConfig(transforms=["freeze_backbone"]))  # freezing works there too
+
+
+def test_the_backends_for_a_family_are_those_that_declare_it_or_declare_none():
+    """A refusal names them; a backend whose families module this build lacks (a Bazel target
+    without it) is left out rather than failing the refusal."""
+    register_backend("lacking", BackendSpec(factory=f"{__name__}:ToyEngine", families="no_such_module:FAMILIES"))
+    register_backend("picky", BackendSpec(factory=f"{__name__}:ToyEngine", families=("qwen3_moe",)))
+    try:
+        assert "picky" in backends_for_family("qwen3_moe") and "picky" not in backends_for_family("mixtral")
+        assert "lacking" not in backends_for_family("qwen3_moe")
+        assert "fsdp" in backends_for_family("mixtral")  # declares none: any family transformers builds
+        assert "fsdp" not in backends_for_family("mixtral", besides="fsdp")
+    finally:
+        unregister_backend("lacking")
+        unregister_backend("picky")
 
 
 def test_unknown_backends_transforms_and_spec_fields_are_refused_by_name(toy):
