@@ -94,6 +94,11 @@ class MegatronCriticEngine(Offloadable):
         self.traits = check_megatron_config(hf_config, config.parallel, dist.world_size)
         if config.lora.rank:
             check_megatron_lora(self.traits, hf_config)
+        refuse = None
+        if config.parallel.pipeline > 1 or config.parallel.context > 1:
+            refuse = ("takes engine.parallel.pipeline=1 and context=1 on the megatron backend (transformers' loss "
+                      "couples every MoE layer's routing of a whole forward pass)")
+        self.aux_experts = router_aux.aux_experts(config.loss.router_aux_coef, hf_config, refuse=refuse)
         # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
         self.generator = torch.Generator().manual_seed(config.seed)
         load_kwargs = dict(torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
@@ -193,11 +198,6 @@ class MegatronCriticEngine(Offloadable):
         self._multiple = tp if config.parallel.sequence_parallel else 1
         self._cp_group = self.parallel.groups[CONTEXT] if config.parallel.context > 1 else None
         self._router_logits: list[torch.Tensor] = []  # a micro-batch's, with engine.loss.router_aux_coef
-        refuse = None
-        if config.parallel.pipeline > 1 or config.parallel.context > 1:
-            refuse = ("takes engine.parallel.pipeline=1 and context=1 on the megatron backend (transformers' loss "
-                      "couples every MoE layer's routing of a whole forward pass)")
-        self.aux_experts = router_aux.aux_experts(config.loss.router_aux_coef, self.hf_config, refuse=refuse)
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,

@@ -16,16 +16,7 @@ Imports no megatron: the registry resolves this module while building a mesh.
 
 from __future__ import annotations
 
-from ...common.engine.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ranks_along
-
-
-def _along(grid, *axes: int) -> list[list[int]]:
-    """The rank lists of a rank grid's groups spanning `axes` (ranks differing only there), sorted."""
-    rest = [a for a in range(grid.dim()) if a not in axes]
-    width = 1
-    for a in axes:
-        width *= grid.shape[a]
-    return sorted(sorted(row) for row in grid.permute(*rest, *axes).reshape(-1, width).tolist())
+from ...common.engine.mesh import CONTEXT, DATA, PIPELINE, TENSOR, ranks_along, ranks_along_axes
 
 
 def expert_groups(layout, expert: int) -> dict[str, tuple[list[list[int]], str | None]]:
@@ -34,11 +25,11 @@ def expert_groups(layout, expert: int) -> dict[str, tuple[list[list[int]], str |
     pipeline, tensor = layout.shape[0], layout.shape[-1]
     grid = layout.reshape(pipeline, -1, expert, tensor)  # (pipeline, expert-data, expert, tensor)
     return {
-        "expert": (_along(grid, 2), None),
-        "expert_tensor": (_along(grid, 2, 3), None),
-        "expert_tensor_pipeline": (_along(grid, 0, 2, 3), None),
-        "expert_data": (_along(grid, 1), None),
-        "expert_data_gloo": (_along(grid, 1), "gloo"),
+        "expert": (ranks_along_axes(grid, 2), None),
+        "expert_tensor": (ranks_along_axes(grid, 2, 3), None),
+        "expert_tensor_pipeline": (ranks_along_axes(grid, 0, 2, 3), None),
+        "expert_data": (ranks_along_axes(grid, 1), None),
+        "expert_data_gloo": (ranks_along_axes(grid, 1), "gloo"),
     }
 
 

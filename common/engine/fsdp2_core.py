@@ -224,7 +224,7 @@ class FSDP2Engine(Offloadable):
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
         bins = stats.support is not None  # HL-Gauss: the loss takes the bin logits
         micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
-        aux = self._router_aux(micro_batches)
+        aux = router_aux.StepAux.of(self.config.loss.router_aux_coef, self.aux_experts, micro_batches, self.dp_group)
         for mb in micro_batches:
             with aux.capture(self.model) as logits, self._forward(mb, batch.input_ids.shape[1], bins=bins) as (values, raw):
                 if not mb.rows:
@@ -239,10 +239,6 @@ class FSDP2Engine(Offloadable):
                 # (and a Ulysses rank's gradient is only its tokens' share), so undo that.
                 (loss * self.parallel.gradient_ranks).backward()
         return stats
-
-    def _router_aux(self, micro_batches) -> router_aux.StepAux:
-        """engine.loss.router_aux_coef's share of this step (off: adds nothing, captures nothing)."""
-        return router_aux.StepAux.of(self.config.loss.router_aux_coef, self.aux_experts, micro_batches, self.dp_group)
 
     @needs_resident(*KINDS)
     def update(self, batch: RolloutBatch) -> dict[str, float]:

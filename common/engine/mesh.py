@@ -219,10 +219,14 @@ def ranks_along(layout, *dims: str) -> list[list[int]]:
     """The rank lists of the groups spanning `dims` of a layout (the engine's global ranks laid out
     over DIMS, one axis each, degree-1 axes included): the ranks that differ only in those
     coordinates, each list in ascending order (torch.Tensor layout)."""
-    axes = [DIMS.index(d) for d in dims]
-    rest = [a for a in range(len(DIMS)) if a not in axes]
-    width = _product(layout.shape[a] for a in axes)
-    return sorted(sorted(row) for row in layout.permute(*rest, *axes).reshape(-1, width).tolist())
+    return ranks_along_axes(layout, *(DIMS.index(d) for d in dims))
+
+
+def ranks_along_axes(grid, *axes: int) -> list[list[int]]:
+    """ranks_along for any rank grid (a torch tensor of ranks): the groups spanning `axes`."""
+    rest = [a for a in range(grid.dim()) if a not in axes]
+    width = _product(grid.shape[a] for a in axes)
+    return sorted(sorted(row) for row in grid.permute(*rest, *axes).reshape(-1, width).tolist())
 
 
 def _library_groups(spec_groups, layout, parallel, rank: int, existing: dict[tuple[int, ...], object]

@@ -192,9 +192,8 @@ def backends_for_family(model_type: str, *, besides: str | None = None) -> list[
     def takes(spec: BackendSpec) -> bool:
         families = spec.families
         if isinstance(families, str):
-            module_name, attr = families.split(":")
             try:
-                families = getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
+                families = resolve(families)
             except ImportError:  # the backend is not part of this build (a Bazel target, a vendored subset)
                 return False
         return families is None or model_type in families

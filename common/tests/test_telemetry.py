@@ -32,6 +32,17 @@ def _critic(family="qwen2", **overrides):
     return critic_class(config)(config)
 
 
+def _counted_training_flops(model, lengths) -> int:
+    """torch's FlopCounterMode over a forward and backward of one row of each length."""
+    counted = 0
+    for length in lengths:
+        ids = torch.randint(3, 200, (1, length))
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids).logits.sum().backward()
+        counted += counter.get_total_flops()
+    return counted
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_model_flops_are_what_torch_counts_for_a_training_step(frozen):
     """ModelShape.training_flops against torch's FlopCounterMode on a real forward and backward
@@ -42,12 +53,7 @@ def test_model_flops_are_what_torch_counts_for_a_training_step(frozen):
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith(("score", "model.layers.0.self_attn.q_proj")))
     shape = ModelShape.of(_Engine(model), model.config)
-    counted = 0
-    for length in (24, 40):
-        ids = torch.randint(3, 200, (1, length))
-        with FlopCounterMode(display=False) as counter:
-            model(input_ids=ids).logits.sum().backward()
-        counted += counter.get_total_flops()
+    counted = _counted_training_flops(model, (24, 40))
     formula = shape.training_flops(torch.tensor([24, 40]))
     # Frozen: the embeddings' output needs no gradient, so part of the first layer's backward is
     # skipped (8% of this 2-layer critic, less with more layers).
@@ -62,12 +68,7 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_goes_through(family):
     grouped matmul transformers runs them with by default."""
     model = _critic(family, _attn_implementation="eager", _experts_implementation="eager")
     shape = ModelShape.of(_Engine(model), model.config)
-    counted = 0
-    for length in (24, 40):
-        ids = torch.randint(3, 200, (1, length))
-        with FlopCounterMode(display=False) as counter:
-            model(input_ids=ids).logits.sum().backward()
-        counted += counter.get_total_flops()
+    counted = _counted_training_flops(model, (24, 40))
     assert shape.training_flops(torch.tensor([24, 40])) == pytest.approx(counted, rel=0.03)
 
 

@@ -178,13 +178,14 @@ def _critic_names(index, model, key_mapping: dict[str, str]
     meta_state = model.state_dict()
     names: dict[str, str] = {}
     fused: dict[str, dict[tuple[int, int], str]] = {}
+    stacks = {id(c): _expert_stack(c) for c in converters}
     for key in index.tensors:
         # (the source pattern of the converter that matched, if one did)
         name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
         if pattern is not None:
             converter = next(c for c in converters if pattern in c.source_patterns)
             part = list(converter.source_patterns).index(pattern)
-            regexes = _expert_stack(converter)
+            regexes = stacks[id(converter)]
             match = regexes[part].search(key) if regexes else None
             if match is None:
                 return {}, {}, f"transformers converts {key} ({pattern} -> {converter.target_patterns}), not only " \
