@@ -18,6 +18,12 @@ The group has the whole engine contract (common.engine.CriticEngine): the step i
 (forward_backward on each actor's share, step_optimizer, zero_grad, scheduler) for a host's own
 loss, as well as update(); `parallel` is None (the meshes are the actors').
 
+Startup is bounded: within startup_timeout_s the placement group must be ready and every actor
+scheduled on its bundle (a bundle whose free part is smaller than resources_per_worker, the rest held
+by a host's actors, would keep its actor pending forever); otherwise the actors are killed and the
+error names those bundles, what a worker reserves and what is free. The engine build after it (the
+model's load) is not bounded.
+
 Faults: every call waits on all actors together. An actor that dies (killed, OOM, node lost) makes
 the call raise CriticWorkerError naming it and Ray's reason, after every actor of the group is
 killed (the others would wait for it in a collective forever); a new group then loads the last
@@ -43,6 +49,14 @@ class CriticWorkerError(RuntimeError):
     """A worker of the group died; the group is stopped."""
 
 
+class _PastDeadline(Exception):
+    """RayCriticGroup._gather: these ranks had not answered by the deadline."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(ranks)
+        self.ranks = ranks
+
+
 def _resources(resources_per_worker: dict | None, use_gpu: bool) -> dict:
     resources = dict(resources_per_worker or ({"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}))
     if resources.get("CPU", 0) <= 0 and not resources.get("GPU"):
@@ -66,7 +80,14 @@ class RayCriticGroup:
         bundle). The host's placement group stays the host's: close() leaves it.
 
         Everything that can be refused is refused before any actor starts: the backend, the layout
-        for this worker count, the model and LoRA settings, the bundles."""
+        for this worker count, the model and LoRA settings, the bundles.
+
+        `startup_timeout_s` bounds the placement: the placement group's readiness and every worker
+        actor being scheduled on its bundle and answering, together. A worker whose bundle has too
+        little free (a host's actors hold part of it) would otherwise wait forever; past the bound,
+        the actors started are killed and a RuntimeError names the bundles that could not take a
+        worker, what a worker reserves and what is free in them. Building the engine (loading the
+        model) comes after and is not bounded by it."""
         import ray
         from ray.util.placement_group import placement_group as new_placement_group
 
@@ -99,6 +120,7 @@ class RayCriticGroup:
             self.placement_group = new_placement_group([dict(resources) for _ in range(num_workers)],
                                                        strategy=placement_strategy)
             self._owns_placement_group = True
+        deadline = time.monotonic() + startup_timeout_s  # placement group ready, then every actor scheduled
         try:
             ready, _ = ray.wait([self.placement_group.ready()], timeout=startup_timeout_s)
             if not ready:
@@ -106,13 +128,16 @@ class RayCriticGroup:
                                    f"({placement_strategy}) within {startup_timeout_s:.0f} s; the cluster has "
                                    f"{ray.available_resources()} free. Lower num_workers or resources_per_worker, "
                                    f"or add nodes")
-            self._start_actors(resources)
+            self._start_actors(resources, deadline, startup_timeout_s)
         except BaseException:
             self._stop()
             raise
 
     # -- start ---------------------------------------------------------------------------------------
-    def _start_actors(self, resources: dict) -> None:
+    def _start_actors(self, resources: dict, deadline: float, startup_timeout_s: float) -> None:
+        """One actor per bundle; each must be scheduled and answer `where` by `deadline` (a bundle with
+        too little free would keep it pending forever), then every actor builds the engine (unbounded:
+        loading a model may take long; a worker that dies or raises ends it as any call)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -124,7 +149,10 @@ class RayCriticGroup:
                                               resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
                                               scheduling_strategy=strategy, max_restarts=0, max_task_retries=0)
                                .remote(rank, self.num_workers, threads))
-        places = self._call_all("where")
+        try:
+            places = self._gather([actor.where.remote() for actor in self.actors], "startup", deadline=deadline)
+        except _PastDeadline as late:
+            raise RuntimeError(self._unscheduled(late.ranks, resources, startup_timeout_s)) from None
         self.pids = [place["pid"] for place in places]
         self.node_ids = [place["node_id"] for place in places]  # each worker's Ray node
         self.hosts = [place["host"] for place in places]  # its address (rank 0's is the rendezvous)
@@ -143,17 +171,21 @@ class RayCriticGroup:
         pid = self.pids[rank] if getattr(self, "pids", None) else "?"
         return f"critic worker {rank} of {self.num_workers} (actor {self.actors[rank]._actor_id.hex()[:12]}, pid {pid})"
 
-    def _gather(self, refs: list, what: str) -> list:
-        """Every actor's result, in rank order; see the module docstring for how failures end."""
+    def _gather(self, refs: list, what: str, *, deadline: float | None = None) -> list:
+        """Every actor's result, in rank order; see the module docstring for how failures end.
+        `deadline` (time.monotonic()): _PastDeadline naming the ranks that have not answered by then."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results, errors, pending = {}, {}, list(refs)
-        deadline = None
+        grace_end = None
         while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ends = [end for end in (grace_end, deadline) if end is not None]
+            timeout = max(0.0, min(ends) - time.monotonic()) if ends else None
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready and not errors:  # past `deadline`
+                raise _PastDeadline(sorted(rank_of[ref] for ref in pending))
             if not ready:  # an engine error on some workers, and the others still inside a collective
                 first = min(errors)
                 self._stop()
@@ -173,11 +205,32 @@ class RayCriticGroup:
                         f"workers killed); start a new group and load_checkpoint to continue") from None
                 except RayTaskError as err:
                     errors[rank] = err.cause if err.cause is not None else err
-                    if deadline is None:
-                        deadline = time.monotonic() + self.error_grace_s
+                    if grace_end is None:
+                        grace_end = time.monotonic() + self.error_grace_s
         if errors:  # every worker returned: the engines refused together, the group is usable
             raise errors[min(errors)]
         return [results[rank] for rank in range(len(refs))]
+
+    def _unscheduled(self, ranks: list[int], resources: dict, startup_timeout_s: float) -> str:
+        """The startup error: which bundles did not take their worker, what one reserves, what is free."""
+        import ray
+
+        free = ray.available_resources()  # a bundle's own amounts are keys "<resource>_group_<index>_<pg id>"
+        pg_id = self.placement_group.id.hex()
+        specs = self.placement_group.bundle_specs
+        bundles = sorted({self.bundle_indices[rank] for rank in ranks})
+        in_bundles = "; ".join(
+            f"bundle {index}: {({name: free.get(f'{name}_group_{index}_{pg_id}', 0.0) for name in specs[index]})} "
+            f"of {specs[index]}" for index in bundles)
+        outside = {name: free.get(name, 0.0) for name in resources}
+        owner = "the host's placement group" if not self._owns_placement_group else "the group's placement group"
+        workers = ", ".join(str(rank) for rank in ranks)
+        return (f"critic worker(s) {workers} of {self.num_workers} not scheduled within {startup_timeout_s:.0f} s: "
+                f"bundle(s) {', '.join(str(i) for i in bundles)} of {owner} could not take a worker reserving "
+                f"{resources}. Free now in those bundles: {in_bundles}; free in the cluster outside placement "
+                f"groups: {outside}. Other actors on a bundle (the host's) hold the rest: lower resources_per_worker "
+                f"to what is free (fractions such as {{'CPU': 0.5}} share a bundle), free the bundles, or, if the "
+                f"workers are only slow to start, raise startup_timeout_s")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -13,7 +13,8 @@ verl hands an engine its model, engine and optimizer configs (`critic.model`, `c
   critic.optim.min_lr_ratio                    engine.optim.min_lr_ratio
   critic.optim.total_training_steps            engine.optim.total_steps
   critic.fsdp.seed                             engine.seed
-  critic.fsdp.param_offload / optimizer_offload  verl's phases offload / onload our engine (engine.py: PhaseContext)
+  critic.fsdp.param_offload / optimizer_offload  our engine off the device from initialize() on; verl's phases
+                                                 onload / offload it (engine.py: PhaseContext)
 
 Our own settings on top come from CriticAdaptersEngineConfig (set `critic.fsdp._target_` to it):
 `critic_adapters_backend` (fsdp | megatron | veomni) and `critic_adapters`, a mapping of our

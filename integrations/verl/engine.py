@@ -82,11 +82,17 @@ class CriticAdaptersEngine(BaseEngine):
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def initialize(self):
-        """The first call keeps the engine built at construction; a later one (a reset) rebuilds it."""
+        """The first call keeps the engine built at construction; a later one (a reset) rebuilds it.
+        Then, as verl's own engines end their initialize(), what the offload keys name leaves the
+        device (param_offload: parameters and gradients; optimizer_offload: the optimizer state), so
+        that verl's rollout engine, built after, sizes its KV cache with the critic off the GPU; the
+        first phase (PhaseContext) brings back what it needs."""
         if self._initialized:
             self.engine.close()
             self.engine = build_engine(self.backend, self.config, self.dist)
         self._initialized = True
+        params, optimizer = self.is_param_offload_enabled, self.is_optimizer_offload_enabled
+        self.move_state(onto_device=False, model=params, optimizer=optimizer, grads=params)
 
     # -- offload between phases (verl's critic.fsdp.param_offload / optimizer_offload) -------------------
     @property
@@ -215,7 +221,8 @@ class PhaseContext(BaseEngineCtx):
     """verl's train / eval phase around our engine, as verl's BaseEngineCtx does for its own: on
     entry the parts verl's offload keys name come back, on exit they leave the device again
     (train: parameters, gradients with param_offload, the optimizer state with optimizer_offload;
-    eval: the parameters only, so an offloaded optimizer stays off through the rollout).
+    eval: the parameters only, so an offloaded optimizer stays off through the rollout). They are
+    off already before the first phase: initialize() offloads them.
     disable_auto_offload: neither. The direction comes from entry and exit, not from a device name
     (verl's BaseEngineCtx names "cpu" both ways on a CPU machine)."""
 

@@ -4,9 +4,11 @@ verl's own TrainingWorker, without Ray, in a world of one gloo process on CPU, f
   python -m critic_adapters.tests.verl.verl_worker CHECK OUT_FILE [ARGS...]
 
 CHECK:
-  parity MODEL_DIR BACKEND   our engine (BACKEND: fsdp, veomni, megatron, megatron-tp2) and verl's own
+  parity MODEL_DIR BACKEND   our engine (BACKEND: fsdp, veomni, megatron, megatron-tp2, ...; with
+                             -offload / -paramoffload / -optoffload: verl's offload keys) and verl's own
                              fsdp2 value-model engine, the same critic and global batch: values
-                             before, one train_mini_batch, values after
+                             before, one train_mini_batch, values after; what our engine holds off
+                             its device after reset and after each phase
   resume MODEL_DIR BACKEND WORKDIR   a step, save_checkpoint, a step; a new worker loads the
                              checkpoint and takes the same step
   formats DIR...             per critic directory: our engine's values through verl's infer_batch
@@ -91,21 +93,24 @@ def degree(backend: str, key: str) -> int:
     return 1
 
 
-def offloads(backend: str) -> bool:
-    """'fsdp-offload', 'megatron-tp2-offload': verl's critic.fsdp.param_offload and optimizer_offload on."""
-    return "offload" in backend.split("-")
+def offload_keys(backend: str) -> dict[str, bool]:
+    """verl's critic.fsdp offload keys from the name: '-offload' (fsdp-offload, megatron-tp2-offload)
+    both on, '-paramoffload' param_offload only, '-optoffload' optimizer_offload only."""
+    parts = backend.split("-")
+    return {"param_offload": "offload" in parts or "paramoffload" in parts,
+            "optimizer_offload": "offload" in parts or "optoffload" in parts}
 
 
 def make_worker(model_dir: str, backend: str) -> TrainingWorker:
     """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours
-    ('fsdp', 'veomni', 'megatron', 'megatron-tp2', 'fsdp-sp2')."""
+    ('fsdp', 'veomni', 'megatron', 'megatron-tp2', 'fsdp-sp2'; offload suffixes: offload_keys), after reset()."""
     if backend == "verl-fsdp2":
         engine = FSDPEngineConfig(strategy="fsdp2", **ENGINE_FIELDS)
     else:
         engine = ours.CriticAdaptersEngineConfig(critic_adapters_backend=backend.partition("-")[0], critic_adapters={
             "parallel": {"tensor": degree(backend, "tp"), "context": degree(backend, "cp")}},
             ulysses_sequence_parallel_size=degree(backend, "sp"),
-            param_offload=offloads(backend), optimizer_offload=offloads(backend),
+            **offload_keys(backend),
             **ENGINE_FIELDS)
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
                           enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
@@ -237,7 +242,7 @@ def parity(model_dir: str, backend: str) -> dict:
         tensors, returns = padded_batch(data_parallel=dp)
         reference = our_values(model_dir, tensors)  # also the update's old values, on every rank
         worker = make_worker(model_dir, name)
-        phases = []  # what our engine holds off its device after each of verl's phases
+        phases = [("after reset", offloaded(worker))]  # what our engine holds off its device after each step
         before = infer(worker, tensors)
         phases.append(("after infer", offloaded(worker)))
         metrics = train(worker, tensors, reference, returns)

@@ -1,7 +1,7 @@
 """RayCriticGroup on a local Ray cluster of this machine (2 actors, CPU, gloo): the same values as
 an in-process engine, the same update as the 2-rank torchrun engine, checkpoints that a new group
 continues bit-identically, megatron at TP 2 across the actors, a host's placement group shared with
-its actors between phases, the whole engine contract
+its actors between phases (and its partly taken bundles refused within startup_timeout_s), the whole engine contract
 (common.engine.CriticEngine) with the step in pieces equal to one engine's, and faults (a killed
 actor, NaN returns) that end in a clear error on the driver, never a hang."""
 
@@ -233,6 +233,71 @@ def test_the_critic_shares_a_hosts_placement_group_with_its_actors_between_phase
         assert torch.equal(values, values_alone)
         assert {k: metrics[k] for k in ("value_loss", "grad_norm", "explained_variance")} == \
                {k: metrics_alone[k] for k in ("value_loss", "grad_norm", "explained_variance")}
+
+
+def test_a_critic_that_does_not_fit_a_hosts_partly_taken_bundles_is_refused_by_startup_timeout_s(ray_cluster, models):
+    """A host's placement group of two 1-CPU bundles whose own actors hold half of each; critic
+    workers reserving 0.75 CPU fit the bundles' size but not what is free in them, so Ray keeps them
+    pending. The group gives up after startup_timeout_s (it used to wait forever: the bound covered
+    only the placement group's readiness, which a host's group had long passed), names the bundles,
+    the reservation and what is free in each, and leaves nothing behind: the host's actors keep
+    working, and once they are gone the host's own whole-bundle actors are placed there (a worker
+    left pending would have taken a bundle first)."""
+    import threading
+
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from critic_adapters.integrations.ray import RayCriticGroup
+
+    @ray_cluster.remote
+    class HostActor:
+        def ping(self) -> int:
+            return os.getpid()
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
+    ray_cluster.get(pg.ready())
+
+    def on_bundle(index: int, cpus: float):
+        return HostActor.options(num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=index)).remote()
+
+    try:
+        host = [on_bundle(i, 0.5) for i in range(2)]
+        ray_cluster.get([actor.ping.remote() for actor in host])  # both halves are held now
+        outcome = {}
+
+        def start():
+            try:
+                RayCriticGroup("fsdp", engine_config(models["qwen2"]), placement_group=pg, bundle_indices=[0, 1],
+                               resources_per_worker={"CPU": 0.75}, startup_timeout_s=20).close()
+                outcome["started"] = True
+            except Exception as err:  # noqa: BLE001 - asserted below
+                outcome["error"] = err
+
+        # In a thread, so that a group that waits forever fails this test rather than hanging the suite.
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        thread.join(timeout=240)
+        assert not thread.is_alive(), "RayCriticGroup still waiting for its workers 220 s past startup_timeout_s=20"
+        error = outcome.get("error")
+        assert isinstance(error, RuntimeError), outcome
+        message = str(error)
+        assert "critic worker(s) 0, 1 of 2 not scheduled within 20 s: bundle(s) 0, 1 of the host's placement " \
+               "group could not take a worker reserving {'CPU': 0.75}" in message, message
+        assert "Free now in those bundles: bundle 0: {'CPU': 0.5} of {'CPU': 1.0}; bundle 1: {'CPU': 0.5} of " \
+               "{'CPU': 1.0}; free in the cluster outside placement groups: {'CPU': 0.0}" in message, message
+        assert placement_group_table(pg)["state"] == "CREATED"  # the host's group stays the host's
+        assert len(ray_cluster.get([actor.ping.remote() for actor in host], timeout=120)) == 2
+        for actor in host:
+            ray_cluster.kill(actor)
+        whole = [on_bundle(i, 1.0) for i in range(2)]
+        ready, _ = ray_cluster.wait([actor.ping.remote() for actor in whole], num_returns=2, timeout=120)
+        assert len(ready) == 2, "a bundle is still held: the critic's pending workers were not stopped"
+        for actor in whole:
+            ray_cluster.kill(actor)
+    finally:
+        remove_placement_group(pg)
 
 
 @pytest.fixture(scope="module")
