@@ -169,11 +169,13 @@ def build(workdir: str, sequences: int, other_backends: list[str], lora_rank: in
     from critic_adapters.common.parallel.distributed import init_distributed
     from critic_adapters.common.engine import build_engine
     from critic_adapters.backends.fsdp.engine import FSDPCriticEngine
+    from critic_adapters.common.valuehead._quiet import quiet_transformers
 
     torch.manual_seed(0)
     causal = AutoModelForCausalLM.from_config(Qwen2Config(**MODEL))
     path = os.path.join(workdir, "model")
-    causal.save_pretrained(path)
+    with quiet_transformers():  # no "Writing model shards" progress bar
+        causal.save_pretrained(path)
     critic, _ = load_critic(path, attn_implementation="sdpa")  # fresh head, seed 0: same weights everywhere
     trl = require_trl_value_head_class().from_pretrained(causal, summary_dropout_prob=0.0)
     with torch.no_grad():
@@ -277,12 +279,14 @@ def lora_vs_full(state: dict, median: dict, rank: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sequences", type=int, default=16)
+    summary, _usage, variants = __doc__.split("\n\n")[:3]  # (argparse prints its own usage)
+    parser = argparse.ArgumentParser(description=f"{summary}\n\n{variants}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of every variant (the median is reported)")
+    parser.add_argument("--sequences", type=int, default=16, help="rows of the mini-batch")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--lora-rank", type=int, default=16,
-                        help="also run a LoRA critic of this rank on the FSDP engine (0: none)")
+                        help="also run a LoRA critic of this rank on every engine (default 16; 0: none)")
     from critic_adapters.common.engine.registry import BACKENDS
 
     others = ",".join(sorted(name for name in BACKENDS if name != "fsdp"))

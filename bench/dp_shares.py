@@ -92,7 +92,7 @@ def worker(model_dir: str, out_file: str, repeats: int, rows: int, short: int) -
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--short", type=int, default=64, help="tokens of a short rollout (the long ones: 8x)")

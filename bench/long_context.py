@@ -144,7 +144,7 @@ def run_one(backend: str, model_dir: str, length: int, degree: int, workdir: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     split_key = split_keys()
     parser.add_argument("--backends", nargs="+", default=list(split_key), choices=list(split_key))

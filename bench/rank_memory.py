@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--worker"]:
         worker(*sys.argv[2:])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--out", help="write the results as JSON here too")

@@ -86,7 +86,7 @@ def run_ray(group, batch, repeats: int) -> list[float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed updates per measurement (after a warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="torchrun / Ray measurements, alternately")
     parser.add_argument("--sequences", type=int, default=16)
@@ -103,13 +103,15 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from critic_adapters.bench.critic_update import MODEL, ROWS_PER_MICRO_BATCH, make_batch
+    from critic_adapters.common.valuehead._quiet import quiet_transformers
     from critic_adapters.integrations.ray import RayCriticGroup
     from critic_adapters.integrations.ray.cluster import ensure_ray, shutdown_ray
 
     with tempfile.TemporaryDirectory() as workdir:
         torch.manual_seed(0)
         model_dir = os.path.join(workdir, "model")
-        AutoModelForCausalLM.from_config(Qwen2Config(**MODEL)).save_pretrained(model_dir)
+        with quiet_transformers():  # no "Writing model shards" progress bar
+            AutoModelForCausalLM.from_config(Qwen2Config(**MODEL)).save_pretrained(model_dir)
         batch = make_batch(args.sequences)
         budget = ROWS_PER_MICRO_BATCH * batch.input_ids.shape[1]
         batch_file = os.path.join(workdir, "batch.pt")

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--worker"]:
         worker(*sys.argv[2:])
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="fsdp,veomni,megatron")
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--config", default=CONFIG, help="the critic's config.json (default: Qwen2.5-0.5B-shaped)")
@@ -160,7 +160,8 @@ def main(argv=None) -> int:
         parameters = write_model(args.config, model_dir)
         print(f"critic: {parameters / 1e6:.0f}M parameters ({args.config}); fp32 AdamW state: 16 bytes/parameter",
               flush=True)
-        print(f"megatron at 2 ranks: {args.megatron_layout}")
+        if "megatron" in backends and 2 in rank_counts:
+            print(f"megatron at 2 ranks: {args.megatron_layout}")
         print("| backend | ranks | update tokens/s | MFU | update peak per rank (bytes/param) | load peak per rank "
               "(x fp32 model) | export peak per rank (x fp32 model) |")
         print("|---|---|---|---|---|---|---|")
@@ -186,14 +187,14 @@ def main(argv=None) -> int:
                       f"{row['update_peak_bytes_per_param']:.1f} | "
                       f"{' / '.join(f'{x:.2f}' for x in row['load_peak'])} | "
                       f"{' / '.join(f'{x:.2f}' for x in row['export_peak'])} |", flush=True)
-                if sweep:
-                    sweep_rows = records[0]["steps"][1:]
-                    print(f"\n{backend} at 1 rank, update time by row length and by tokens per update:")
-                    print("| row length | tokens | update s | tokens/s | MFU |\n|---|---|---|---|---|")
-                    for step in sweep_rows:
-                        print(f"| {step['length']} | {step['tokens']} | {step['seconds']:.1f} | "
-                              f"{step['tokens_per_s']:.1f} | {step['mfu']:.3f} |")
-                    print(flush=True)
+        # The sweep's table after the main table, not between its rows: the first backend's 1-rank run.
+        for row in [r for r in results if r["backend"] == backends[0] and r["ranks"] == 1]:
+            print(f"\n{row['backend']} at 1 rank, update time by row length and by tokens per update:")
+            print("| row length | tokens | update s | tokens/s | MFU |\n|---|---|---|---|---|")
+            for step in row["steps"][1:]:
+                print(f"| {step['length']} | {step['tokens']} | {step['seconds']:.1f} | "
+                      f"{step['tokens_per_s']:.1f} | {step['mfu']:.3f} |")
+        print(flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": args.config, "parameters": parameters, "rows": results,

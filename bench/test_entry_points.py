@@ -27,12 +27,19 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
 
 @pytest.mark.parametrize("module,option", [("critic_update", "--repeats"), ("long_context", "--lengths"),
                                            ("dp_shares", "--short"), ("offload", "--backends"),
-                                           ("scale", "--sweep-tokens"), ("rank_memory", "--ranks")])
+                                           ("scale", "--sweep-tokens"), ("rank_memory", "--ranks"),
+                                           ("value_learning", "--losses")])
 def test_runs_as_a_module(tmp_path, module, option):
+    import ast
+
     result = _run([sys.executable, "-m", f"critic_adapters.bench.{module}", "--help"], cwd=tmp_path,
                   PYTHONPATH=os.path.dirname(HERE))
     assert result.returncode == 0, result.stderr[-2000:]
     assert option in result.stdout
+    # The description is the docstring's whole first paragraph, not its first line cut mid-sentence.
+    with open(os.path.join(HERE, f"{module}.py")) as f:
+        summary = ast.get_docstring(ast.parse(f.read())).split("\n\n")[0]
+    assert " ".join(summary.split()) in " ".join(result.stdout.split()), result.stdout
 
 
 def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
@@ -63,6 +70,10 @@ def test_the_scale_benchmark_measures_each_run(tmp_path):
                    "32,64", "--sweep-tokens", "32,64", "--out", str(out)], cwd=tmp_path, PYTHONPATH=os.path.dirname(HERE))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "megatron at 2 ranks: expert=2" in result.stdout
+    lines = result.stdout.splitlines()
+    # The sweep's table follows the whole main table (the last main row is megatron's at 2 ranks).
+    assert lines.index("fsdp at 1 rank, update time by row length and by tokens per update:") > \
+           max(i for i, line in enumerate(lines) if line.startswith("| megatron | 2 |")), result.stdout
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("scale: megatron mfu=") and "peak/param=" in last, last
     rows = json.loads(out.read_text())["rows"]
@@ -71,6 +82,19 @@ def test_the_scale_benchmark_measures_each_run(tmp_path):
     assert sweep == [(32, 64), (32, 64), (64, 64), (32, 32)]  # the measured update, then the sweep
     assert len(rows[1]["steps"]) == 1 and len(rows[1]["load_peak"]) == 2
     assert all(0 < s["mfu"] < 1 and s["tokens_per_s"] > 0 for r in rows for s in r["steps"])
+
+
+def test_the_scale_benchmark_names_only_the_layouts_it_runs(tmp_path):
+    """fsdp at 1 rank alone: no megatron layout line; the sweep's table after the main one."""
+    config = os.path.join(os.path.dirname(HERE), "common", "testdata", "configs", "qwen3_moe.json")
+    result = _run([sys.executable, "-m", "critic_adapters.bench.scale", "--config", config, "--backends", "fsdp",
+                   "--ranks", "1", "--tokens", "32", "--lengths", "32", "--sweep-tokens", "32"], cwd=tmp_path,
+                  PYTHONPATH=os.path.dirname(HERE))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "megatron" not in result.stdout, result.stdout
+    lines = result.stdout.splitlines()
+    assert lines.index("fsdp at 1 rank, update time by row length and by tokens per update:") > \
+           next(i for i, line in enumerate(lines) if line.startswith("| fsdp | 1 |"))
 
 
 def test_bazel_binary_runs():

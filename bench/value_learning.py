@@ -91,7 +91,8 @@ def run_job(backend: str, nproc: int, run_dir: str, overrides: list[str]) -> dic
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),  # the sentence and its list
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="fsdp")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON here")

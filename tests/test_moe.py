@@ -5,7 +5,8 @@ sequence parallelism megatron's MoE layer needs) and pipeline parallel 2; fsdp; 
 modeling (qwen3_moe, deepseek_v3); fsdp and VeOmni on deepseek_v3 too; from transformers' TokenCls, a trl value head and a sidecar head. Each run's
 values equal transformers' forward (<= 1e-4), and one update equals
 an independent transformers + AdamW step on every data-parallel rank's rollout (the value loss
-alone: no router load-balancing loss). A megatron checkpoint written at expert parallel 2 resumes
+alone, or with engine.loss.router_aux_coef the value loss plus transformers' router load-balancing
+loss, reported apart as router_aux_loss). A megatron checkpoint written at expert parallel 2 resumes
 at expert parallel 1 identically; its HF export loads in plain transformers with the engine's values."""
 
 import json
@@ -144,12 +145,19 @@ def test_one_update_equals_a_transformers_adamw_step(name, results, checkpoints)
     values = shift_to_tokens(compute_values(model, cat["input_ids"], cat["attention_mask"]))
     loss, _ = value_loss(values, cat["old_values"], cat["returns"], cat["response_mask"], clip_range=0.5,
                          agg_mode="token-mean")
-    objective = loss + coef * torch.stack([router_loss(model, part) for part in parts]).mean() if coef else loss
+    aux = torch.stack([router_loss(model, part) for part in parts]).mean() if coef else None
+    objective = loss + coef * aux if coef else loss
     objective.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     metrics = result["metrics"]
+    # value_loss is the value loss alone; router_aux_loss (only with the coefficient on) the mean
+    # router loss without the coefficient: objective = value_loss + coef * router_aux_loss.
     assert metrics["value_loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
+    if coef:
+        assert metrics["router_aux_loss"] == pytest.approx(float(aux.detach()), abs=1e-5)
+    else:
+        assert "router_aux_loss" not in metrics
     assert metrics["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
     # Every parameter after the step, each expert's included. Adam's first step moves a weight by
     # LR * g / (|g| + eps), LR = 1e-2, about LR * sign(g): a gradient of the wrong sign or routed to the

@@ -130,7 +130,7 @@ class CriticEngine(Protocol):
         """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: every field
         required, all [B, T]; old_values and returns token-aligned). The loss is normalised over
         the whole mini-batch across DP ranks. Returns common.engine.update_step.METRICS (docs/METRICS.md),
-        reduced over the DP group."""
+        reduced over the DP group, and router_aux_loss when engine.loss.router_aux_coef > 0."""
         ...
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----

@@ -5,6 +5,8 @@ Switch Transformer's E * sum_e f_e * P_e over the router logits of every MoE lay
 pass, real tokens only), computed with transformers' own function on the router logits the engine
 captured. Engines add `coef * aux / (micro-batches in the step)` to each micro-batch's loss: the
 step's objective is the value loss plus the coefficient times the mean aux loss of its forward passes.
+The update's metrics report that mean, without the coefficient, as `router_aux_loss`; `value_loss`
+stays the value loss alone (docs/METRICS.md).
 """
 
 from __future__ import annotations
@@ -92,11 +94,15 @@ class StepAux:
         """captured(model, **kwargs) when on; else a block that yields an empty list."""
         return captured(model, **kwargs) if self.experts is not None else contextlib.nullcontext([])
 
-    def term(self, mb, per_layer: list[torch.Tensor], attention_mask: torch.Tensor, row_length: int):
-        """The micro-batch's share of the step's router loss: `per_layer` its [b, t, E] logits laid out like
-        the model's input (common.parallel.batching.MicroBatch.unpack maps them to its rows)."""
+    def term(self, mb, per_layer: list[torch.Tensor], attention_mask: torch.Tensor, row_length: int, stats):
+        """The micro-batch's share of the step's router loss, `coef * aux / count`, counted without the
+        coefficient in `stats` (common.engine.update_step.StepStats: the metric router_aux_loss).
+        `per_layer`: its [b, t, E] logits laid out like the model's input
+        (common.parallel.batching.MicroBatch.unpack maps them to its rows)."""
         if self.experts is None:
             return 0.0
         rows = [mb.unpack(logits, row_length) for logits in per_layer]
         aux = load_balancing_loss(rows, attention_mask[mb.rows], experts=self.experts.routed, top_k=self.experts.top_k)
-        return self.coef * aux / self.count
+        share = aux / self.count
+        stats.add_router_aux(share)
+        return self.coef * share

@@ -7,7 +7,10 @@ once per step, in `StepStats.metrics`. The metric names are part of the engine c
 (docs/ARCHITECTURE.md):
 
   value_loss          the mini-batch's clipped value loss (normalised over all its DP ranks); with
-                      loss.kind=hl_gauss its cross-entropy against the HL-Gauss targets
+                      loss.kind=hl_gauss its cross-entropy against the HL-Gauss targets. The value
+                      loss alone: the step's objective is value_loss + coef * router_aux_loss
+  router_aux_loss     only with loss.router_aux_coef > 0: the router load-balancing loss without the
+                      coefficient, the mean over the step's forward passes (common.engine.router_aux)
   clip_fraction       share of valid tokens where the clipped term was the larger one (0 for hl_gauss)
   explained_variance  1 - Var[R - V] / Var[R] over the mini-batch's valid tokens, before the step
   grad_norm           global gradient norm before clipping
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 
@@ -35,7 +39,10 @@ from ..learning.loss import explained_variance_from_sums, hl_gauss_loss_terms, l
 # docs/METRICS.md defines each one.
 METRICS = ("value_loss", "mse", "clip_fraction", "explained_variance", "grad_norm", "lr", "tokens_per_s",
            "valid_tokens", "value/mean", "value/std", "return/mean", "return/std")
-_SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2", "v", "v2")
+# With engine.loss.router_aux_coef > 0 also router_aux_loss (the coefficient-free router load-balancing
+# loss, common.engine.router_aux.StepAux; value_loss leaves it out).
+_VALUE_SUMS = ("loss", "clipped", "valid", "r", "r2", "res", "res2", "v", "v2")  # micro_batch_loss's
+_SUMS = (*_VALUE_SUMS, "router_aux")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,13 +66,33 @@ def step_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor, ba
     """This rank's micro-batches, as many as the busiest rank of `group` needs: ranks that share
     collectives (FSDP's gathers, Megatron's schedules) must run the same number. forward_only
     (compute_values): batching.forward_micro_batch_tokens is the budget when it is set."""
-    budget = batching.micro_batch_tokens
+    key, budget = "micro_batch_tokens", batching.micro_batch_tokens
     if forward_only and batching.forward_micro_batch_tokens is not None:
-        budget = batching.forward_micro_batch_tokens
+        key, budget = "forward_micro_batch_tokens", batching.forward_micro_batch_tokens
+    if batching.micro_batch_size is None:
+        warn_over_budget(attention_mask, f"engine.batching.{key}", budget)
     local = count_micro_batches(attention_mask, token_budget=budget, micro_batch_size=batching.micro_batch_size)
     (count,) = all_reduce([local], op="max", group=group)
     return make_micro_batches(input_ids, attention_mask, packing=batching.packing, token_budget=budget,
                               micro_batch_size=batching.micro_batch_size, min_micro_batches=int(count))
+
+
+_WARNED_LONGEST: dict[tuple[str, int], int] = {}
+"""(key, budget): the longest row a warning of warn_over_budget named, so each is said once per process."""
+
+
+def warn_over_budget(attention_mask: torch.Tensor, key: str, budget: int) -> None:
+    """warnings.warn when a row of this rank is longer than the token budget `key` sets: such a row
+    runs as a micro-batch of its own, over the budget, and rows that long all alone make many small,
+    slow micro-batches. Once per key and budget, again only for a longer row than the last warning's."""
+    longest = int(attention_mask.sum(dim=-1).max()) if attention_mask.numel() else 0
+    if longest <= max(budget, _WARNED_LONGEST.get((key, budget), 0)):
+        return
+    _WARNED_LONGEST[key, budget] = longest
+    fits = 1 << (longest - 1).bit_length()  # the next power of two
+    warnings.warn(f"{key}={budget} is below the longest row's {longest} tokens: each row over the budget runs as "
+                  f"a micro-batch of its own (many small micro-batches are slow); set {key}={fits} (>= {longest}) "
+                  f"to fit it", stacklevel=3)
 
 
 def whole_micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, batching: BatchingConfig, *,
@@ -108,10 +135,15 @@ class StepStats:
             r = torch.where(mask, returns, 0).double()
             residual = torch.where(mask, returns - predictions, 0).double()
             v = torch.where(mask, predictions.detach(), 0).double()
-            self.sums += torch.stack([loss.detach().double(), clipped.double(), valid.double(), r.sum(),
-                                      (r * r).sum(), residual.sum(), (residual * residual).sum(), v.sum(),
-                                      (v * v).sum()])
+            terms = [loss.detach().double(), clipped.double(), valid.double(), r.sum(), (r * r).sum(),
+                     residual.sum(), (residual * residual).sum(), v.sum(), (v * v).sum()]  # _VALUE_SUMS
+            self.sums[:len(_VALUE_SUMS)] += torch.stack(terms)
         return loss
+
+    def add_router_aux(self, share: torch.Tensor) -> None:
+        """Count a micro-batch's share of the step's router load-balancing loss, without the
+        coefficient (common.engine.router_aux.StepAux.term): the metric router_aux_loss."""
+        self.sums[len(_VALUE_SUMS)] += share.detach().double()
 
     def metrics(self, *, grad_norm: float, lr: float, tokens: float, seconds: float, dp_group,
                 counts: bool = True) -> dict:
@@ -123,6 +155,7 @@ class StepStats:
         local = self.sums.cpu().tolist() + [tokens]
         reduced = all_reduce(local if counts else [0.0] * len(local), group=dp_group)
         g = dict(zip(_SUMS, reduced))
+        aux = {"router_aux_loss": g["router_aux"]} if self.loss_config.router_aux_coef else {}
         return {
             "value_loss": g["loss"],
             "mse": 0.5 * g["res2"] / g["valid"] if g["valid"] else 0.0,  # unclipped, token-mean: the held-out loss
@@ -134,6 +167,7 @@ class StepStats:
             "valid_tokens": g["valid"],
             **_mean_std("value", g["v"], g["v2"], g["valid"]),
             **_mean_std("return", g["r"], g["r2"], g["valid"]),
+            **aux,
         }
 
 

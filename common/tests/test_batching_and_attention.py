@@ -56,6 +56,36 @@ def test_compute_values_has_its_own_micro_batch_budget():
         BatchingConfig(forward_micro_batch_tokens=0)
 
 
+def test_a_budget_below_the_longest_row_warns_naming_key_row_and_a_value_that_fits(monkeypatch):
+    import warnings
+
+    from critic_adapters.common.engine import update_step
+    from critic_adapters.common.engine.config import BatchingConfig
+
+    monkeypatch.setattr(update_step, "_WARNED_LONGEST", {})
+    mask = _mask([300, 40, 20])
+    ids = torch.ones_like(mask)
+    batching = BatchingConfig(micro_batch_tokens=100, forward_micro_batch_tokens=200)
+    with pytest.warns(UserWarning, match=r"engine\.batching\.micro_batch_tokens=100 is below the longest row's 300 "
+                                         r"tokens.*set engine\.batching\.micro_batch_tokens=512 \(>= 300\)"):
+        plan = update_step.step_micro_batches(ids, mask, batching, group=None)
+    assert [mb.rows for mb in plan] == [[0], [1, 2]]  # still planned: the long row alone
+    with pytest.warns(UserWarning, match=r"engine\.batching\.forward_micro_batch_tokens=200 is below the longest "
+                                         r"row's 300 tokens.*forward_micro_batch_tokens=512"):
+        update_step.step_micro_batches(ids, mask, batching, group=None, forward_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        update_step.step_micro_batches(ids, mask, batching, group=None)  # said once per key and budget ...
+        with pytest.warns(UserWarning, match="longest row's 400 tokens"):  # ... unless a longer row comes
+            longer = _mask([400, 40])
+            update_step.step_micro_batches(torch.ones_like(longer), longer, batching, group=None)
+        # No warning when the budget fits the longest row, or with a fixed micro_batch_size (no budget).
+        update_step.step_micro_batches(ids, mask, BatchingConfig(micro_batch_tokens=300), group=None)
+        update_step.step_micro_batches(ids, mask, BatchingConfig(micro_batch_tokens=8, micro_batch_size=2),
+                                       group=None)
+        update_step.whole_micro_batch(ids, mask, BatchingConfig(micro_batch_tokens=8), group=None)
+
+
 def test_budget_edge_cases():
     assert plan_token_budget([500], budget=100) == [[0]]  # too long: alone, never dropped
     assert plan_token_budget([], budget=100) == [[]]

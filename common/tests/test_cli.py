@@ -104,6 +104,40 @@ def test_every_format_converts_to_a_directory_both_loaders_read(tmp_path, fmt, c
         assert_close_on_mask(plain(input_ids=ids, attention_mask=mask).logits.squeeze(-1), expected, mask, atol=1e-5)
 
 
+@pytest.mark.parametrize("size, sharded", [("100000", True), ("2G", False), ("2GB", False), ("500MB", False),
+                                           ("300KiB", True), ("1.5mb", False)])
+def test_convert_takes_bytes_and_transformers_style_sizes(tmp_path, size, sharded, capsys):
+    """--max-shard-size: bytes as digits, or a number with a unit (the tiny critic is ~0.55 MB)."""
+    src, _ = build.trl_value_head(str(tmp_path / "src"))
+    dst = str(tmp_path / "converted")
+    assert cli(["convert", src, dst, "--max-shard-size", size]) == 0, capsys.readouterr().err
+    assert os.path.exists(os.path.join(dst, "model.safetensors.index.json")) == sharded
+    assert os.path.exists(os.path.join(dst, "model.safetensors")) == (not sharded)
+
+
+@pytest.mark.parametrize("size", ["five", "2X", "0", "0GB", "GB", ""])
+def test_convert_refuses_a_bad_size_naming_the_forms_it_takes(tmp_path, size, capsys):
+    src, _ = build.trl_value_head(str(tmp_path / "src"))
+    dst = tmp_path / "converted"
+    assert cli(["convert", src, str(dst), "--max-shard-size", size]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-shard-size={size!r}: give bytes as an int (100000), or a number with a unit" in err, err
+    assert "'2G'" in err and "KiB" in err
+    assert not dst.exists()
+
+
+def test_parse_size_takes_ints_digits_and_units():
+    from critic_adapters.common.valuehead.safetensors_stream import parse_size
+
+    assert [parse_size(s) for s in (100000, "100000", "2G", "2GB", "2gb", "500MB", "500M", "3KB", "2GiB", "1MiB",
+                                    " 1.5 GB ", "7B", "1T")] == \
+           [100000, 100000, 2 * 10**9, 2 * 10**9, 2 * 10**9, 5 * 10**8, 5 * 10**8, 3000, 2 * 2**30, 2**20,
+            15 * 10**8, 7, 10**12]
+    for bad in ("five", "0", "nan", "inf", 0, -5, 2.5, True, None):
+        with pytest.raises(ValueError, match=r"trainer.export_max_shard_size=.*: give bytes as an int"):
+            parse_size(bad, key="trainer.export_max_shard_size")
+
+
 def test_module_entry_point_prints_values(tmp_path):
     path, _ = build.causal_lm(str(tmp_path))
     result = subprocess.run([sys.executable, "-m", "critic_adapters.common.valuehead", "values", path, "--tokens", "5 6 7"],
