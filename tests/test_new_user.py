@@ -149,7 +149,8 @@ def clean_run(launcher: str, run_dir, *extra: str) -> subprocess.CompletedProces
 NOISE = re.compile(r"WARN|ERROR|Warning|\[INFO", re.IGNORECASE)
 
 
-CLEAN_RUNS = {FSDP: ("--nproc", "2"), MEGATRON: (), VEOMNI: ("--nproc", "2")}
+# The fsdp run's export is split into files of at most 300 kB (issue 40, 8: the job's export size key).
+CLEAN_RUNS = {FSDP: ("--nproc", "2", "trainer.export_max_shard_size=300KB"), MEGATRON: (), VEOMNI: ("--nproc", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +190,9 @@ def test_7_the_console_names_every_output(fsdp_run):
     assert f"checkpoint saved: {run_dir / 'checkpoints' / 'step_000002'}" in out
     assert f"metrics: {run_dir / 'metrics.jsonl'}, TensorBoard logs: {run_dir / 'tensorboard'}" in out
     assert f"exported {run_dir / 'hf_export'}" in out and f"plot: {run_dir / 'training.png'}" in out
+    shards = sorted(p.name for p in (run_dir / "hf_export").glob("*.safetensors"))
+    assert len(shards) > 1 and (run_dir / "hf_export" / "model.safetensors.index.json").is_file(), shards
+    assert all((run_dir / "hf_export" / name).stat().st_size <= 300_000 + 10_000 for name in shards)  # + header
 
 
 INTERRUPT_AFTER_EXPORT = """
@@ -371,6 +375,106 @@ def test_27_dry_runs_refuse_what_launches_refuse_before_anything_is_written(tmp_
     dry = launch(FSDP, "--dry-run", "engine.lora.rank=8", "engine.lora.target_modules=[q_proj,v_proj]", *TINY,
                  f"trainer.run_dir={tmp_path / 'lora'}")
     assert dry.returncode == 0 and "LoRA rank 8 on q_proj, v_proj (alpha 16)" in dry.stdout, dry.stdout + dry.stderr
+
+
+# Issue 40, 3: a settings file takes dotted keys, as the command line does (the README's example).
+def test_40_3_a_yaml_file_takes_dotted_keys(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("engine.optim.lr: 1.0e-3\ndata:\n  mini_batch_size: 16\nengine:\n  batching.packing: false\n")
+    config = printed_config(launch(FSDP, str(path), "--print-config"))
+    assert config["engine"]["optim"]["lr"] == 1e-3 and config["data"]["mini_batch_size"] == 16
+    assert config["engine"]["batching"]["packing"] is False
+    path.write_text("engine.optim.lr: 1.0e-3\nengine:\n  optim:\n    lr: 2.0e-3\n")
+    refused(launch(FSDP, str(path), "--dry-run"), f"{path}: engine.optim.lr is set twice (once dotted, once nested)")
+    path.write_text("engine.optim.lrr: 1.0e-3\n")
+    refused(launch(FSDP, str(path), "--dry-run"), f"unknown config key 'engine.optim.lrr' in {path}; did you mean "
+                                                  "engine.optim.lr")
+
+
+# Issue 40, 4: every case a launch refused after starting its processes (and writing its run_dir) is
+# refused by the dry run and by the launch before anything starts, with the same message.
+DRY_RUN_AND_LAUNCH_REFUSE = {
+    "replicate-3-of-4": (FSDP, ["--nproc", "4", "engine.parallel.replicate=3"],
+                         "engine.parallel.replicate=3 must divide the data-parallel degree 4 (4 processes over the "
+                         "model-parallel degree 1): each replica shards the critic over data / replicate ranks; launch "
+                         "a multiple of 3 processes (--nproc)"),
+    "replicate-with-ulysses": (FSDP, ["--nproc", "2", "engine.parallel.replicate=2", "engine.parallel.ulysses=2"],
+                               "engine.parallel.replicate=2 must divide the data-parallel degree 1"),
+    "veomni-qwen2_moe": (VEOMNI, ["engine.model.path=embedded:qwen2_moe"],
+                         "VeOmni 0.1.12 has no modeling for model_type 'qwen2_moe'"),
+    "veomni-mixtral": (VEOMNI, ["engine.model.path=embedded:mixtral"],
+                       "VeOmni 0.1.12 has no modeling for model_type 'mixtral'"),
+    "megatron-router-aux-pp": (MEGATRON, ["engine.model.path=embedded:qwen2_moe", "engine.parallel.tensor=1",
+                                          "engine.parallel.pipeline=2", "engine.loss.router_aux_coef=0.1"],
+                               "engine.loss.router_aux_coef=0.1 takes engine.parallel.pipeline=1 and context=1"),
+}
+
+
+@pytest.mark.parametrize("case", list(DRY_RUN_AND_LAUNCH_REFUSE))
+def test_40_4_the_dry_run_and_the_launch_refuse_alike_before_anything_starts(tmp_path, case):
+    launcher, args, message = DRY_RUN_AND_LAUNCH_REFUSE[case]
+    run_dir = tmp_path / "run"
+    dry = launch(launcher, "--dry-run", *args, *TINY, f"trainer.run_dir={run_dir}")
+    real = launch(launcher, *args, *TINY, f"trainer.run_dir={run_dir}")  # in this process: no worker may start
+    refused(dry, message)
+    refused(real, message)
+    assert error_lines(dry) == error_lines(real)
+    assert not run_dir.exists()
+
+
+def test_40_4_replicas_count_in_the_process_count_and_the_dry_run_shows_the_layout(tmp_path):
+    run_dir = f"trainer.run_dir={tmp_path / 'run'}"
+    dry = launch(FSDP, "--dry-run", "engine.parallel.replicate=2", *TINY, run_dir)
+    assert dry.returncode == 0 and "processes: 2 (data parallel 2: 2 replicas x 1 shard)" in dry.stdout, dry.stderr
+    dry = launch(FSDP, "--dry-run", "--nproc", "4", "engine.parallel.replicate=2", *TINY, run_dir)
+    assert dry.returncode == 0 and "processes: 4 (data parallel 4: 2 replicas x 2 shards)" in dry.stdout, dry.stderr
+    # A refusal caused by the backend's job default names it (megatron's default job is tensor 2).
+    refused(launch(MEGATRON, "--dry-run", "engine.model.path=embedded:qwen3_moe", "engine.parallel.expert=2", *TINY,
+                   run_dir), "engine.parallel.tensor=2: the megatron backend's job default")
+
+
+# Issue 40, 5: a resume's dry run checks what the resume checks and says what it continues; the
+# layout's replicas may change on resume; a resume without --nproc keeps the run's process count.
+def test_40_5_resume_dry_run_and_a_resume_at_another_replicate_degree(interrupted_run):
+    import yaml
+
+    run_dir, _ = interrupted_run
+    epochs = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["epochs"]  # 2 after test 5
+    refused(launch(FSDP, "--resume", "--dry-run", f"trainer.run_dir={run_dir}", "engine.optim.lr=1"),
+            "engine.optim.lr: 0.002 in the run, 1.0 now")
+    args = ["--resume", f"trainer.run_dir={run_dir}", f"trainer.epochs={epochs + 1}", "--nproc", "2",
+            "engine.parallel.replicate=2"]
+    dry = launch(FSDP, "--dry-run", *args)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    latest = os.path.realpath(run_dir / "checkpoints" / sorted(os.listdir(run_dir / "checkpoints"))[-1])
+    for line in ("processes: 2 (data parallel 2: 2 replicas x 1 shard), the run last ran on 1",
+                 f"resume: from {run_dir / 'checkpoints'}", f"resume: trainer.epochs changed from {epochs} to {epochs + 1}",
+                 "resume: engine.parallel.replicate changed from 1 to 2", "config OK"):
+        assert line in dry.stdout, (line, dry.stdout)
+    assert "initialise" not in dry.stdout and os.path.basename(latest) in dry.stdout
+    resumed = run_launcher(FSDP, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert max(row["epoch"] for row in rows) == epochs + 1
+    # The run now records 2 processes: a resume's dry run without --nproc keeps them.
+    dry = launch(FSDP, "--dry-run", "--resume", f"trainer.run_dir={run_dir}")
+    assert "processes: 2 (data parallel 2: 2 replicas x 1 shard), as the run last ran" in dry.stdout, dry.stdout
+
+
+# Issue 40, 6: the PPO iteration follows the mini-batch; a size that does not fit is refused only
+# where it matters, naming the nearest that fit.
+def test_40_6_a_mini_batch_alone_is_taken_and_the_iteration_is_checked_where_it_matters(tmp_path):
+    run_dir = f"trainer.run_dir={tmp_path / 'run'}"
+    ok = launch(FSDP, "--dry-run", "data.num_rollouts=48", "data.mini_batch_size=12", run_dir)
+    assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stderr[-3000:]
+    uneven = ["data.num_rollouts=48", "data.mini_batch_size=12", "data.rollout_batch_size=100"]
+    message = "data.rollout_batch_size=100 must be a multiple of data.mini_batch_size=12"
+    refused(launch(FSDP, "--dry-run", *uneven, run_dir), message, "use 96 or 108")
+    # The launch refuses it in its worker, from the rollouts, before anything is written.
+    refused(run_launcher(FSDP, *uneven, "trainer.epochs=1", run_dir), message, "use 96 or 108")
+    assert not (tmp_path / "run").exists()
+    unclipped = launch(FSDP, "--dry-run", *uneven, "engine.loss.clip_range=null", run_dir)  # no old values to renew
+    assert unclipped.returncode == 0, unclipped.stderr[-3000:]
 
 
 def test_13_the_nan_hint_names_the_real_module():

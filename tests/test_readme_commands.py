@@ -2,7 +2,7 @@
 example are read from README.md itself, run in order in a scratch directory with the placeholders
 bound to tiny fixtures, and each must exit 0. A README edit that breaks a command fails here.
 
-Tiny settings: `my.yaml` (the README's "your settings") holds a small job; launcher lines that name
+Tiny settings: `my.yaml` (the README's "your settings") holds the README's example line and a small job; launcher lines that name
 no YAML file and do not resume get the same small settings as overrides. Nothing else is changed.
 """
 
@@ -23,12 +23,10 @@ VALUEHEAD = "critic_adapters.common.valuehead"
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 TINY = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1", "trainer.save_every_steps=0"]
-MY_YAML = """\
-engine:
-  optim:
-    lr: 1.0e-3
+# The tiny job, after the README's own example line (written dotted, as the README shows it).
+MY_YAML_TINY = """\
+data.num_rollouts: 48
 data:
-  num_rollouts: 48
   mini_batch_size: 16
 trainer:
   epochs: 1
@@ -47,6 +45,14 @@ def readme_blocks(language: str) -> list[str]:
     with open(README) as f:
         text = f.read()
     return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def readme_settings_example() -> str:
+    """The settings line the README gives as `my.yaml`'s example (`engine.optim.lr: 1.0e-3`)."""
+    with open(README) as f:
+        found = re.search(r"`my\.yaml`: your settings,\s+e\.g\.\s+`([^`]+)`", f.read())
+    assert found, "the README no longer gives an example line for my.yaml"
+    return found.group(1)
 
 
 def readme_commands() -> list[str]:
@@ -83,7 +89,7 @@ def test_the_not_run_lines_are_in_the_readme():
 
 def test_every_readme_command_runs_as_written(tmp_path):
     os.chdir(tmp_path)
-    (tmp_path / "my.yaml").write_text(MY_YAML)
+    (tmp_path / "my.yaml").write_text(f"{readme_settings_example()}\n{MY_YAML_TINY}")
     write_rollouts(str(tmp_path / "rollouts.parquet"))
     commands = [c for c in readme_commands() if c not in NOT_RUN]
     assert len(commands) >= 10, commands
@@ -98,6 +104,8 @@ def test_every_readme_command_runs_as_written(tmp_path):
             result = run_launcher(words[2], *words[3:], timeout=900)
         assert result.returncode == 0, (f"README command failed (rc={result.returncode}): {command}\n"
                                         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        if "--resume" in words and "--dry-run" not in words:  # the two-process run goes on on two processes
+            assert "starting 2 processes, as the run last ran" in result.stdout, result.stdout[-3000:]
     # The commands did what the README says they do.
     assert (tmp_path / "tiny-critic" / "config.json").is_file()
     assert (tmp_path / "values.parquet").is_file()

@@ -161,14 +161,30 @@ def check_moe_layout(hf_config: PretrainedConfig, moe: MoETraits | None, paralle
                          f"without input jitter; set it to 0 in config.json or use backend=fsdp")
 
 
-def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: int) -> None:
-    """The BackendSpec hook (common/engine/registry.py): what check_megatron_config refuses, before any
-    process starts (the launcher's and dry run's check)."""
-    check_megatron_config(hf_config, config.parallel, world_size)
+def check_layout(hf_config: PretrainedConfig, config: EngineConfig, world_size: int) -> FamilyTraits:
+    """The BackendSpec hook (common/engine/registry.py): everything the megatron backend refuses for
+    this model and layout, from the config alone. The launcher, the dry run and the trainer call it
+    before any process starts or anything is written, and the engine calls it first thing when it
+    is built: one list of refusals. Returns the family's traits."""
+    traits = check_megatron_config(hf_config, config.parallel, world_size)
     check_megatron_transforms(config.transforms)
     if config.lora.rank:
         check_megatron_targets(config.lora.target_modules)
-        check_megatron_lora(family_traits(hf_config), hf_config)
+        check_megatron_lora(traits, hf_config)
+    router_aux_experts(hf_config, config)
+    return traits
+
+
+def router_aux_experts(hf_config: PretrainedConfig, config: EngineConfig):
+    """engine.loss.router_aux_coef's experts (common.engine.router_aux), or None when it is off;
+    refused with pipeline or context parallelism."""
+    from ...common.engine import router_aux
+
+    refuse = None
+    if config.parallel.pipeline > 1 or config.parallel.context > 1:
+        refuse = ("takes engine.parallel.pipeline=1 and context=1 on the megatron backend (transformers' loss "
+                  "couples every MoE layer's routing of a whole forward pass)")
+    return router_aux.aux_experts(config.loss.router_aux_coef, hf_config, refuse=refuse)
 
 
 def check_megatron_lora(traits: FamilyTraits, hf_config: PretrainedConfig) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import warnings
 
 import torch
 import torch.distributed as torch_dist
@@ -26,8 +27,7 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
 
     from . import checkpoint, compat, convert, parallelize
     from . import lora as megatron_lora
-    from .config import (check_megatron_config, check_megatron_lora, check_megatron_targets, check_megatron_transforms,
-                         transformer_config)
+    from .config import check_layout, router_aux_experts, transformer_config
     from .inputs import model_inputs
     from .value_model import build_value_model, te_available
 from ...common.parallel.batching import MicroBatch
@@ -54,6 +54,8 @@ from ...common.valuehead.save import write_critic
 from ...common.valuehead.sliced import meta_critic, open_sliced
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DEPRECATED_GATHER = r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. Please use " \
+                     r"`torch\.distributed\.all_gather_single` instead"
 
 
 def _router_logits(router, inputs, output) -> torch.Tensor:
@@ -69,6 +71,8 @@ def _router_logits(router, inputs, output) -> torch.Tensor:
 
 
 class MegatronCriticEngine(Offloadable):
+    _offload_may_repoint = False  # megatron's DDP holds hooks on the parameters' gradient accumulators
+
     @large_allocations_returned()  # the load's freed tensors go back to the system (host_memory.py)
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
         """`mesh`: the engine's mesh, built with common.engine.mesh.build_mesh(engine.parallel, dist,
@@ -91,14 +95,8 @@ class MegatronCriticEngine(Offloadable):
         self.support = config.loss.support  # an HL-Gauss head's, or None (scalar)
         hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
                               trust_remote_code=model_cfg.trust_remote_code, value_head=self.support).config
-        self.traits = check_megatron_config(hf_config, config.parallel, dist.world_size)
-        if config.lora.rank:
-            check_megatron_lora(self.traits, hf_config)
-        refuse = None
-        if config.parallel.pipeline > 1 or config.parallel.context > 1:
-            refuse = ("takes engine.parallel.pipeline=1 and context=1 on the megatron backend (transformers' loss "
-                      "couples every MoE layer's routing of a whole forward pass)")
-        self.aux_experts = router_aux.aux_experts(config.loss.router_aux_coef, hf_config, refuse=refuse)
+        self.traits = check_layout(hf_config, config, dist.world_size)  # the launcher's check, the same function
+        self.aux_experts = router_aux_experts(hf_config, config)
         # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
         self.generator = torch.Generator().manual_seed(config.seed)
         load_kwargs = dict(torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
@@ -120,8 +118,6 @@ class MegatronCriticEngine(Offloadable):
         # where the transforms froze its HF sources (convert.follow_frozen).
         self.transforms = engine_transforms(config)
         if self.transforms:
-            check_megatron_transforms(config.transforms)
-            check_megatron_targets(config.lora.target_modules)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(config.seed)
                 apply_transforms(critic, self.transforms)
@@ -217,7 +213,11 @@ class MegatronCriticEngine(Offloadable):
     def _run(self, micro_batches: list[MicroBatch], loss_fn, *, forward_only: bool) -> None:
         """Megatron's schedule (1F1B when pipeline > 1) over the micro-batches."""
         longest = max(mb.input_ids.shape[1] for mb in micro_batches)
-        with compat.cuda_to_cpu():
+        with compat.cuda_to_cpu(), warnings.catch_warnings():
+            # megatron-core 0.16.1's MoE token dispatch (and the sequence-parallel gathers) call
+            # torch.distributed.all_gather_into_tensor, which torch deprecates: that one notice off,
+            # here only (the filters are restored after the block).
+            warnings.filterwarnings("ignore", message=_DEPRECATED_GATHER, category=FutureWarning)
             get_forward_backward_func()(
                 forward_step_func=functools.partial(self._forward_step, loss_fn),
                 data_iterator=iter(micro_batches), model=[self.model], num_microbatches=len(micro_batches),
@@ -288,7 +288,7 @@ class MegatronCriticEngine(Offloadable):
             loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                           batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
             loss = loss + aux.term(mb, [inputs.crop(logits) for logits in self._router_logits], batch.attention_mask,
-                                   batch.input_ids.shape[1])
+                                   batch.input_ids.shape[1], stats)
             return loss * scale, {}
 
         with aux.capture(self.model, select=lambda name: name.endswith(".mlp.router"),

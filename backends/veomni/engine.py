@@ -73,8 +73,8 @@ class VeOmniCriticEngine(FSDP2Engine):
         self.hf_config = plan_load(model_cfg.path, head_prefix=model_cfg.head_prefix,
                                    trust_remote_code=model_cfg.trust_remote_code,
                                    value_head=self.config.loss.support).config
+        value_model.check_layout(self.hf_config, self.config, self.dist.world_size)  # the launcher's check, the same function
         with veomni_output():
-            value_model.check_family_registered(self.hf_config)
             from .mesh_state import parallel_state_for
 
             self.parallel_state = parallel_state_for(self.parallel, self.dist.device.type)

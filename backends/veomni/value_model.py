@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import torch
 
@@ -34,27 +35,40 @@ def veomni_version() -> str:
     return __version__
 
 
+# The model_types VeOmni 0.1.12 has its own modeling for (veomni.models.loader.MODELING_REGISTRY; a
+# test checks this list against the installed VeOmni). Kept here so that the launcher's check does
+# not import VeOmni (seconds, and a banner) before any process starts.
+VEOMNI_FAMILIES = ("deepseek_v3", "deepseek_v4", "flux", "gemma3_text", "glm_moe_dsa", "gpt_oss", "llama", "movqgan",
+                   "qwen2", "qwen2_5_omni", "qwen2_5_vl", "qwen2_vl", "qwen3", "qwen3_5", "qwen3_5_moe",
+                   "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_omni_moe", "qwen3_vl", "qwen3_vl_moe",
+                   "seed_oss")
+
+
 def modeling_backend() -> str:
     """'veomni' (its patched modeling classes, from its registry) or 'hf' (transformers' classes),
-    as VeOmni reads it from the MODELING_BACKEND environment variable."""
-    from veomni.utils.env import get_env
-
-    return get_env("MODELING_BACKEND")
+    as VeOmni reads it from the MODELING_BACKEND environment variable (veomni.utils.env: default veomni)."""
+    return os.environ.get("MODELING_BACKEND", "veomni")
 
 
 def check_family_registered(config) -> None:
     """ValueError for a model type VeOmni has no modeling for, before anything is built."""
-    from veomni.models.loader import MODELING_REGISTRY
-
-    if modeling_backend() == "hf" or config.model_type in MODELING_REGISTRY.valid_keys():
+    if modeling_backend() == "hf" or config.model_type in VEOMNI_FAMILIES:
         return
     raise ValueError(
-        f"VeOmni {veomni_version()} has no modeling for model_type {config.model_type!r} (it has: "
-        f"{', '.join(sorted(MODELING_REGISTRY.valid_keys()))}). Run with the environment variable "
+        f"VeOmni {VEOMNI_REQUIREMENT.split('==')[1]} has no modeling for model_type {config.model_type!r} (it has: "
+        f"{', '.join(VEOMNI_FAMILIES)}). Run with the environment variable "
         f"MODELING_BACKEND=hf to build it from transformers' classes through VeOmni (set it yourself: VeOmni "
         f"reads it process-wide, so the engine does not), or use "
         f"{' or '.join(f'backend={name}' for name in backends_for_family(config.model_type, besides='veomni'))} "
         f"for this family")
+
+
+def check_layout(model_config, engine_config, world_size: int) -> None:
+    """The BackendSpec hook (common/engine/registry.py): what the VeOmni backend refuses for this model
+    and layout, from the config alone; the launcher, the dry run and the trainer call it before any
+    process starts, and the engine calls it when it is built."""
+    check_family_registered(model_config)
+    ulysses.check_layout(model_config, engine_config, world_size)
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,

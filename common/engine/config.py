@@ -214,12 +214,36 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline * self.context * self.ulysses
 
+    @property
+    def min_world_size(self) -> int:
+        """The fewest processes this layout runs on: one data-parallel rank per replica."""
+        return self.model_parallel_size * self.replicate
+
     def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel degree of `world_size` processes; ValueError, naming the process counts
+        that fit, when the model-parallel groups or the replicas do not divide them."""
         if world_size % self.model_parallel_size:
             raise ValueError(
                 f"{world_size} processes cannot be split into groups of engine.parallel tensor x pipeline x "
-                f"context x ulysses = {self.model_parallel_size}; use a multiple of it (--nproc)")
-        return world_size // self.model_parallel_size
+                f"context x ulysses = {self.model_parallel_size}; use a multiple of {self.min_world_size} (--nproc)")
+        data = world_size // self.model_parallel_size
+        if data % self.replicate:
+            raise ValueError(
+                f"engine.parallel.replicate={self.replicate} must divide the data-parallel degree {data} ({world_size} "
+                f"processes over the model-parallel degree {self.model_parallel_size}): each replica shards the "
+                f"critic over data / replicate ranks; launch a multiple of {self.min_world_size} processes (--nproc), "
+                f"or lower engine.parallel.replicate")
+        return data
+
+    def describe(self, world_size: int) -> str:
+        """'tensor 2 x data parallel 2' / 'data parallel 4: 2 replicas x 2 shards' for `world_size` processes."""
+        named = [f"{name} {getattr(self, name)}" for name in ("tensor", "pipeline", "context", "ulysses")
+                 if getattr(self, name) > 1]
+        data = self.data_parallel_size(world_size)
+        shards = data // self.replicate
+        hsdp = f": {self.replicate} replicas x {shards} shard{'s' if shards > 1 else ''}" if self.replicate > 1 else ""
+        expert = f", experts over {self.expert} ranks" if self.expert > 1 else ""
+        return " x ".join([*named, f"data parallel {data}"]) + hsdp + expert
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -314,11 +338,13 @@ class DataConfig:
     """Deprecated name of lam_critic (still read; it sets lam_critic)."""
     mini_batch_size: int = 64
     """Sequences per optimizer step, across all ranks."""
-    rollout_batch_size: int | None = 256
+    rollout_batch_size: int | None = 0
     """Rollouts of one PPO iteration (verl's data.train_batch_size), for rollouts that bring no
     old_values: the job takes their old values, the centre of the value clip, from the current
     critic at the start of every rollout_batch_size rollouts of an epoch's shuffled order (null:
-    once per epoch). A multiple of mini_batch_size. Old values given in the data stay as given."""
+    once per epoch; 0, the default: 4 x mini_batch_size). A multiple of mini_batch_size where it
+    matters (the job renews old values: none in the data, and a value clip); old values given in
+    the data stay as given."""
     truncate_to_max_positions: bool = False
     """Cut rollouts longer than the model's max_position_embeddings to that length (their tail, and
     any reward on it, is dropped) instead of refusing them."""
@@ -328,11 +354,9 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.mini_batch_size < 1:
             raise ValueError(f"data.mini_batch_size={self.mini_batch_size} must be >= 1")
-        if self.rollout_batch_size is not None and (self.rollout_batch_size < self.mini_batch_size
-                                                    or self.rollout_batch_size % self.mini_batch_size):
-            raise ValueError(f"data.rollout_batch_size={self.rollout_batch_size} must be a multiple of "
-                             f"data.mini_batch_size={self.mini_batch_size} (the mini-batches of one PPO iteration), "
-                             f"or null for one iteration per epoch")
+        if self.rollout_batch_size is not None and self.rollout_batch_size < 0:
+            raise ValueError(f"data.rollout_batch_size={self.rollout_batch_size} must be >= 0 (0: 4 x "
+                             f"data.mini_batch_size; null: one PPO iteration per epoch)")
         if self.lam is not None:
             if self.lam_critic not in (1.0, self.lam):
                 raise ValueError(f"data.lam={self.lam} and data.lam_critic={self.lam_critic} are the same setting "
@@ -343,6 +367,12 @@ class DataConfig:
             self.lam_critic, self.lam = self.lam, None
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam_critic <= 1.0):
             raise ValueError(f"data.gamma={self.gamma} and data.lam_critic={self.lam_critic} must be in [0, 1]")
+
+    @property
+    def iteration_rollouts(self) -> int | None:
+        """Rollouts of one PPO iteration: rollout_batch_size, 4 x mini_batch_size when it is 0 (the
+        default), None for one iteration per epoch."""
+        return 4 * self.mini_batch_size if self.rollout_batch_size == 0 else self.rollout_batch_size
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -360,11 +390,17 @@ class TrainerConfig:
     export_hf: bool = True
     """Write run_dir/hf_export as a plain *ForTokenClassification at the end (a LoRA critic merged),
     and, with LoRA, run_dir/hf_export_adapter as a peft adapter of engine.model.path."""
+    export_max_shard_size: str = "5GB"
+    """The largest safetensors file of hf_export/: bytes, or a size as transformers writes it ('5GB',
+    '500MB', '2GiB'); a larger critic is written as several files with an index."""
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
 
     def __post_init__(self):
+        from ..valuehead.safetensors_stream import parse_size
+
+        parse_size(self.export_max_shard_size, key="trainer.export_max_shard_size")
         if self.epochs < 1:
             raise ValueError(f"trainer.epochs={self.epochs} must be >= 1")
         if self.keep_last < 1:
@@ -502,26 +538,62 @@ def _field_type_and_default(key: str) -> tuple[str, object]:
 def _load_yaml(path: str):
     """OmegaConf.load, with a syntax error reported as one line: file:line:column and the problem."""
     import yaml
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     try:
-        return OmegaConf.load(path)
+        loaded = OmegaConf.load(path)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ValueError(f"{where}: YAML syntax error: {problem}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"{path}: a config file holds a mapping of keys (e.g. `engine.optim.lr: 1.0e-3`), not a list")
+    return OmegaConf.create(_nested(OmegaConf.to_container(loaded, resolve=False), path))
+
+
+def _nested(mapping: dict, path: str, prefix: str = "") -> dict:
+    """A YAML mapping with dotted keys (`engine.optim.lr: 1.0e-3`, as on the command line) spelled
+    nested, at any depth; a key given both ways in one file is an error naming it."""
+    out: dict = {}
+    for key, value in mapping.items():
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{path}: {prefix}{key} sets a key under {prefix}{part}, which the file also sets to "
+                                 f"a value")
+        leaf = parts[-1]
+        value = _nested(value, path, f"{prefix}{key}.") if isinstance(value, dict) else value
+        if leaf in node:
+            if not (isinstance(node[leaf], dict) and isinstance(value, dict)):
+                raise ValueError(f"{path}: {prefix}{key} is set twice (once dotted, once nested); keep one")
+            _merge_into(node[leaf], value, path, f"{prefix}{key}.")
+        else:
+            node[leaf] = value
+    return out
+
+
+def _merge_into(target: dict, extra: dict, path: str, prefix: str) -> None:
+    for key, value in extra.items():
+        if key not in target:
+            target[key] = value
+        elif isinstance(target[key], dict) and isinstance(value, dict):
+            _merge_into(target[key], value, path, f"{prefix}{key}.")
+        else:
+            raise ValueError(f"{path}: {prefix}{key} is set twice (once dotted, once nested); keep one")
 
 
 # Keys a resumed run may change: they decide how long it runs and what it records, never what it
 # computes. Every other key must match the run's saved config.yaml.
 CHANGEABLE_ON_RESUME = frozenset({
     "trainer.run_dir", "trainer.resume", "trainer.epochs", "trainer.save_every_steps", "trainer.keep_last",
-    "trainer.export_hf", "trainer.tensorboard", "trainer.plot", "trainer.progress", "engine.collective_timeout_s",
-    # The parallel layout: checkpoints hold global tensors (a TP2 run resumes at TP1), and the
-    # data-parallel degree already changes with --nproc.
+    "trainer.export_hf", "trainer.export_max_shard_size", "trainer.tensorboard", "trainer.plot", "trainer.progress", "engine.collective_timeout_s",
+    # The parallel layout: checkpoints hold global tensors (a TP2 run resumes at TP1, an EP2 or HSDP
+    # run at EP1 or plain FSDP), and the data-parallel degree already changes with --nproc.
     "engine.parallel.tensor", "engine.parallel.pipeline", "engine.parallel.sequence_parallel",
-    "engine.parallel.context", "engine.parallel.ulysses",
+    "engine.parallel.context", "engine.parallel.ulysses", "engine.parallel.replicate", "engine.parallel.expert",
 })
 
 

@@ -234,7 +234,7 @@ class FSDP2Engine(Offloadable):
                                               batch.returns[mb.rows].to(device),
                                               batch.response_mask[mb.rows].to(device))
                 loss = loss + aux.term(mb, [part.reshape(*mb.input_ids.shape, -1) for part in logits],
-                                       batch.attention_mask, batch.input_ids.shape[1])
+                                       batch.attention_mask, batch.input_ids.shape[1], stats)
                 # FSDP averages gradients over its shard ranks; the loss is already the global mean
                 # (and a Ulysses rank's gradient is only its tokens' share), so undo that.
                 (loss * self.parallel.gradient_ranks).backward()

@@ -207,11 +207,7 @@ def _product(values) -> int:
 def mesh_sizes(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     """Degree of each of DIMS for `world_size` ranks; data parallel takes what the others leave."""
     sizes = {dim: getattr(parallel, dim) for dim in MODEL_PARALLEL_DIMS}
-    sizes[DATA] = parallel.data_parallel_size(world_size)  # ValueError naming --nproc when it does not divide
-    if sizes[DATA] % parallel.replicate:
-        raise ValueError(f"engine.parallel.replicate={parallel.replicate} must divide the data-parallel degree "
-                         f"{sizes[DATA]} ({world_size} processes over the model-parallel degrees): each replica "
-                         f"shards the critic over data / replicate ranks; use a divisor, or a multiple of --nproc")
+    sizes[DATA] = parallel.data_parallel_size(world_size)  # ValueError naming --nproc when it (or replicate) does not divide
     return {dim: sizes[dim] for dim in DIMS}
 
 

@@ -53,12 +53,18 @@ class StorageOffload:
                 out[kind].append(storage)
         return out
 
-    def offload(self, tensors_by_kind: dict[str, list[torch.Tensor]], kinds) -> None:
-        """Free the device storages of `kinds` (those not offloaded yet), keeping host copies."""
+    def offload(self, tensors_by_kind: dict[str, list[torch.Tensor]], kinds, *, repoint: bool = True) -> None:
+        """Free the device storages of `kinds` (those not offloaded yet), keeping host copies.
+        `repoint`: a tensor whose storage cannot be resized may be moved onto an owned copy first
+        (_adopt_fixed_storages); False makes such a storage an error instead (Offloadable.
+        _offload_may_repoint)."""
         wanted = [kind for kind in KINDS if kind in kinds and kind not in self._held]
         if not wanted:
             return
-        _adopt_fixed_storages(tensors_by_kind, wanted)
+        if repoint:
+            _adopt_fixed_storages(tensors_by_kind, wanted)
+        else:
+            _refuse_fixed_storages(tensors_by_kind, wanted)
         by_kind = self.storages(tensors_by_kind)
         for kind in wanted:
             held = []
@@ -122,6 +128,18 @@ def _adopt_fixed_storages(tensors_by_kind: dict[str, list[torch.Tensor]], kinds)
     return len(fixed)
 
 
+def _refuse_fixed_storages(tensors_by_kind: dict[str, list[torch.Tensor]], kinds) -> None:
+    """RuntimeError when a tensor of `kinds` has a storage that cannot be resized, for an engine whose
+    tensors must not be re-pointed: a bug (something aliased a parameter's storage, as numpy does),
+    caught before it would silently cut gradients."""
+    fixed = [(kind, tuple(tensor.shape)) for kind in kinds for tensor in tensors_by_kind.get(kind, ())
+             if tensor.untyped_storage().nbytes() and not tensor.untyped_storage().resizable()]
+    if fixed:
+        raise RuntimeError(f"offload: {len(fixed)} of the critic's tensors have storages that cannot be resized "
+                           f"(e.g. {fixed[0][0]} {list(fixed[0][1])}: something aliased them, as numpy does), and "
+                           f"this engine's tensors cannot be re-pointed (its library holds hooks on them)")
+
+
 def require_resident(engine, kinds, what: str) -> None:
     """ValueError, naming what is offloaded, when any of `kinds` is (never a silent onload)."""
     missing = sorted(set(kinds) & engine.offloaded)
@@ -167,6 +185,12 @@ class Offloadable(abc.ABC):
     def _offload_group(self):
         """The group every rank of the engine is in (offload and onload agree over it)."""
 
+    _offload_may_repoint: bool = True
+    """Whether offload may move a tensor whose storage cannot be resized (a one-rank engine computing
+    on a checkpoint's memory-mapped weights) onto an owned copy with `set_()`. False for an engine
+    whose library holds hooks on its parameters' gradient accumulators (megatron's DDP): `set_()`
+    cuts those hooks, and the gradients would silently stop reaching the optimizer."""
+
     def _before_offload(self) -> None:
         """Free what need not be kept before the storages are (FSDP2: unsharded parameters)."""
 
@@ -190,7 +214,7 @@ class Offloadable(abc.ABC):
                          timeout_s=self.config.collective_timeout_s):
             if "model" in kinds and "model" not in self.offloaded:
                 self._before_offload()
-            self._offload_state.offload(self._offload_tensors(), kinds)
+            self._offload_state.offload(self._offload_tensors(), kinds, repoint=self._offload_may_repoint)
 
     def onload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
         """Collective: these parts (every offloaded part by default) back on the compute device, in

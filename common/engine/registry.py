@@ -51,10 +51,13 @@ class BackendSpec:
     """key=value settings layered on the embedded default job (common/job/default_job.yaml) for this
     backend, below the user's YAML files and overrides."""
     check_layout: str | Callable | None = None
-    """"module:callable" (as factory) or the callable: check_layout(model_config, engine_config,
-    world_size) raises a ValueError for a parallel layout the model or the process count cannot
-    take (heads a tensor degree does not divide, ...). The launcher and the trainer call it before
-    any process starts or anything is written; model_config is the checkpoint's HF text config."""
+    """"module:callable" (as factory) or the callable: check_layout(critic_config, engine_config,
+    world_size) raises a ValueError for what the backend refuses to build from the config alone: a
+    layout the model or the process count cannot take (heads a tensor degree does not divide, ...),
+    a family it has no modeling for, a setting it cannot combine with the layout. The launcher, the
+    dry run and the trainer call it before any process starts or anything is written, and the
+    engine should call the same function when it is built (one list of refusals); critic_config is
+    the checkpoint's critic config (common.valuehead.critic_config: TokenClassification)."""
     library_groups: str | Callable | None = None
     """"module:callable" (as factory) or the callable, for a backend whose library keeps process
     groups of its own beyond the mesh's dimensions (megatron-core's parallel_state):
@@ -110,10 +113,11 @@ BACKENDS: dict[str, BackendSpec] = {
                          "transforms", "lora.rank"}),
         launcher=".backends.veomni.train",
         job_defaults=("trainer.run_dir=outputs/veomni-default",),
+        families=".backends.veomni.value_model:VEOMNI_FAMILIES",
         unsupported=(("expert", "VeOmni 0.1.12 builds the token-classification critic on transformers' own MoE "
                       "backbone, whose eager experts loop has no token dispatch (IndexError on a rank's local "
                       "experts), and its one dispatching path, group_gemm_fused_moe_forward, needs triton on a GPU"),),
-        check_layout=".common.parallel.ulysses:check_layout",
+        check_layout=".backends.veomni.value_model:check_layout",
     ),
 }
 
@@ -209,49 +213,68 @@ def resolve(target: str | Callable) -> Callable:
     return getattr(importlib.import_module(module_name, package=PACKAGE_ROOT or None), attr)
 
 
-def model_critic_config(model: ModelConfig):
-    """The critic config (TokenClassification, num_labels=1) of engine.model.path (`embedded:<family>`
-    included), from config.json and tensor headers only."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelRead:
+    """What a job needs of engine.model.path before anything is built, read once (config.json and
+    tensor headers): the critic config, and load_critic's plan (None for `embedded:<family>`, a
+    fresh random model)."""
+
+    critic_config: object
+    plan: object | None
+
+
+def read_model(engine: EngineConfig) -> ModelRead:
+    """engine.model.path's critic config and load plan, with the head engine.loss asks for."""
+    model = engine.model
     if model.path.startswith("embedded:"):
         from ..testdata import tiny_config
         from ..valuehead.config import critic_config
 
-        return critic_config(tiny_config(model.path.removeprefix("embedded:")))
+        return ModelRead(critic_config(tiny_config(model.path.removeprefix("embedded:")), value_head=engine.loss.support),
+                         None)
     from ..valuehead.load import plan_load
-
-    return plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code).config
-
-
-def check_value_head(engine: EngineConfig) -> None:
-    """The checkpoint's head can become the head engine.loss asks for (an HL-Gauss head is not
-    trained as a scalar one, ...): CriticLoadError (a ValueError) otherwise, from config.json and
-    tensor headers, as load_critic would refuse it once the engine is built."""
-    model = engine.model
-    if model.path.startswith("embedded:"):  # a fresh random model: no head to keep
-        return
-    from ..valuehead.load import check_head_change, plan_load
 
     plan = plan_load(model.path, head_prefix=model.head_prefix, trust_remote_code=model.trust_remote_code,
                      value_head=engine.loss.support)
-    check_head_change(model.path, plan, model.fresh_head, model.init_from_scalar_head)
+    return ModelRead(plan.config, plan)
 
 
-def check_layout(name: str, engine: EngineConfig, world_size: int) -> None:
-    """The world splits into engine.parallel's groups, the backend's check_layout (if any) accepts
-    the model under that layout, the checkpoint's head fits engine.loss (check_value_head) and
-    engine.lora fits the model (common.engine.lora.check_lora); ValueError otherwise. Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
+def model_critic_config(model: ModelConfig):
+    """The critic config (TokenClassification, num_labels=1) of engine.model.path (`embedded:<family>`
+    included), from config.json and tensor headers only."""
+    return read_model(EngineConfig(model=model)).critic_config
+
+
+def check_value_head(engine: EngineConfig, model: ModelRead) -> None:
+    """The checkpoint's head can become the head engine.loss asks for (an HL-Gauss head is not
+    trained as a scalar one, ...): CriticLoadError (a ValueError) otherwise, as load_critic would
+    refuse it once the engine is built."""
+    if model.plan is None:  # a fresh random model: no head to keep
+        return
+    from ..valuehead.load import check_head_change
+
+    check_head_change(engine.model.path, model.plan, engine.model.fresh_head, engine.model.init_from_scalar_head)
+
+
+def check_layout(name: str, engine: EngineConfig, world_size: int, model: ModelRead | None = None) -> ModelRead:
+    """Everything `name` refuses for this config before anything is built: the parallel degrees and
+    knobs it implements (check_engine_config), the world split into engine.parallel's groups
+    (replicas included), the checkpoint's head against engine.loss (check_value_head), engine.lora
+    against the model (common.engine.lora.check_lora), and the backend's own check_layout hook.
+    `model`: read_model(engine) when the caller has it (else it is read here). Returns it.
+    Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
+    check_engine_config(name, engine)
     engine.parallel.data_parallel_size(world_size)
     spec = backend_spec(name)
-    check_value_head(engine)
-    if spec.check_layout is None and not engine.lora.rank:
-        return
-    critic_config = model_critic_config(engine.model)
+    model = model or read_model(engine)
+    check_value_head(engine, model)
     if engine.lora.rank:  # what the family lacks first, then what the backend cannot do
         from .lora import check_lora
 
-        check_lora(critic_config, engine.lora)
+        check_lora(model.critic_config, engine.lora)
     if spec.check_layout is not None:
-        resolve(spec.check_layout)(critic_config.get_text_config(), engine, world_size)
+        resolve(spec.check_layout)(model.critic_config, engine, world_size)
+    return model
 
 
 def build_engine(backend: str, config: EngineConfig, dist, **kwargs):

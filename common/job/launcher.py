@@ -155,18 +155,16 @@ def _choose_backend(args, spec: LauncherSpec, yamls: list[str], overrides: list[
     return backend
 
 
-def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print):
-    """The config, checked as far as it can be without a process group; raises ValueError.
+def _load_config(args, spec: LauncherSpec, *, say=print):
+    """The config from its layers; raises ValueError.
 
     Layers, later wins key by key: the dataclass defaults, the embedded default job, the backend's
     job_defaults, the user's YAML files in order, then key=value overrides. `--resume` with no YAML
     file starts from the run's own config.yaml (run_dir/config.yaml, what ran) instead of the
-    defaults. `world_size`: the processes the job will have (None: what engine.parallel needs).
+    defaults.
     """
-    from ..storage.atomic_dir import unwritable_reason
     from ..engine.config import load_train_config
-    from ..engine.registry import backend_spec, check_layout
-    from .trainer import check_backend
+    from ..engine.registry import backend_spec
 
     try:
         yamls, overrides, saved = _user_layers(args, spec)
@@ -175,27 +173,48 @@ def _load_config(args, spec: LauncherSpec, *, world_size: int | None, say=print)
             config = load_train_config([saved], overrides)
             if not args.print_config:
                 say(f"resume: the run's settings from {saved}, with the command line's overrides")
-        else:
-            defaults = (f"the {backend} backend's job_defaults", (f"backend={backend}", *backend_spec(backend).job_defaults))
-            config = load_train_config([DEFAULT_JOB, defaults, *yamls], overrides)
+            return config
+        defaults = (f"the {backend} backend's job_defaults", (f"backend={backend}", *backend_spec(backend).job_defaults))
+        return load_train_config([DEFAULT_JOB, defaults, *yamls], overrides)
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
-    if args.print_config:
-        return config
-    check_backend(config)
+
+
+def _plan(args, config):
+    """The job's plan (common.job.plan) for --nproc processes (None: the resumed run's count, else what
+    engine.parallel needs), and the run_dir writable; ValueError before any process starts or
+    anything is written. The dry run and the launch make the same plan."""
+    from ..storage.atomic_dir import unwritable_reason
+    from .plan import plan_job
+
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: the process count must be >= 1")
-    world = world_size or config.engine.parallel.model_parallel_size
     try:
-        check_layout(config.backend, config.engine, world)  # before any process starts or anything is written
+        plan = plan_job(config, args.nproc)
     except ValueError as err:
         where = f" (--nproc {args.nproc})" if args.nproc is not None and "--nproc" not in str(err) else ""
-        raise ValueError(f"{err}{where}") from None
+        raise ValueError(f"{err}{where}{_job_default_note(config, str(err))}") from None
     reason = unwritable_reason(config.trainer.run_dir) if not args.dry_run else None  # a dry run writes nothing
     if reason:
         raise ValueError(f"trainer.run_dir={config.trainer.run_dir} is not writable: {reason}; choose another "
                          f"trainer.run_dir")
-    return config
+    return plan
+
+
+def _job_default_note(config, message: str) -> str:
+    """' (engine.parallel.tensor=2 is the megatron backend's job default; ...)' when a refusal may come
+    from a parallel degree the backend's job_defaults set rather than the user."""
+    from ..engine.config import flat_values
+    from ..engine.registry import backend_spec
+
+    values = flat_values(config)
+    inherited = [setting for setting in backend_spec(config.backend).job_defaults
+                 if setting.startswith("engine.parallel.") and str(values[setting.split("=")[0]]) == setting.split("=")[1]
+                 and ("processes" in message or setting.split("=")[0] in message)]
+    if not inherited:
+        return ""
+    return (f" ({', '.join(inherited)}: the {config.backend} backend's job default; override it, e.g. "
+            f"{inherited[0].split('=')[0]}=1, if the layout should differ)")
 
 
 def say(message: str) -> None:
@@ -216,57 +235,55 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
     args = _parse(argv, spec)
     under_torchrun = "LOCAL_RANK" in os.environ
     rank0 = os.environ.get("RANK", "0") == "0"
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else args.nproc
-    # Config, backend, layout and run_dir are checked before any process starts or joins a group:
-    # one line, once.
+    # The config, then (outside torchrun) the job's plan: backend, layout, model and run_dir checked
+    # before any process starts or anything is written; one line, once. A torchrun worker plans in
+    # the trainer, on every rank of its world.
     try:
-        config = _load_config(args, spec, world_size=world_size,
-                              say=say if rank0 and not under_torchrun else (lambda *a, **k: None))
+        config = _load_config(args, spec, say=say if rank0 and not under_torchrun else (lambda *a, **k: None))
+        if args.print_config:
+            from ..engine.config import to_yaml
+
+            print(to_yaml(config))
+            return 0
+        plan = None if under_torchrun else _plan(args, config)
     except (ValueError, OSError) as err:
         if rank0:
             say_error(str(err))
         return 2
-    if args.print_config:
-        from ..engine.config import to_yaml
-
-        print(to_yaml(config))
-        return 0
     if under_torchrun:
-        return _run(args, config)
-    if spec.run is not None and not args.dry_run:
-        return spec.run(args, config)
-    nproc = args.nproc
-    if nproc is None:  # as many processes as the parallel layout needs: one data-parallel rank
-        nproc = config.engine.parallel.model_parallel_size
-        if nproc > 1 and not args.dry_run:
-            print(f"starting {nproc} processes, the engine.parallel layout's tensor x pipeline x context x ulysses "
-                  f"(--nproc N for more data-parallel ranks)", flush=True)
+        return _run(config)
     if args.dry_run:
-        parallel = config.engine.parallel
-        layout = " x ".join(f"{name} {getattr(parallel, name)}" for name in ("tensor", "pipeline", "context", "ulysses")
-                            if getattr(parallel, name) > 1)
-        print(f"processes: {nproc} ({layout + ' x ' if layout else ''}data parallel "
-              f"{parallel.data_parallel_size(nproc)}); the dry run itself runs in this one process", flush=True)
-    if nproc > 1 and not args.dry_run:
-        return _relaunch_under_torchrun(nproc, _without_nproc(argv), spec.module)
-    return _run(args, config)
+        from .trainer import dry_run
+
+        try:
+            dry_run(plan, say=say)
+        except BaseException as err:  # noqa: BLE001 - reported as a launch reports it
+            return fail(err, None)
+        return 0
+    if args.nproc is None and plan.processes > 1:
+        why = plan.processes_note or ("the engine.parallel layout's tensor x pipeline x context x ulysses"
+                                      + (" x replicate" if config.engine.parallel.replicate > 1 else "")
+                                      + " (--nproc N for more data-parallel ranks)")
+        print(f"starting {plan.processes} processes, {why}", flush=True)
+    args.nproc = plan.processes  # what a spec's run starts (the Ray launcher's workers)
+    if spec.run is not None:
+        return spec.run(args, config)
+    if plan.processes > 1:
+        return _relaunch_under_torchrun(plan.processes, [*_without_nproc(argv)], spec.module)
+    return _run(config)
 
 
-
-def _run(args, config) -> int:
+def _run(config) -> int:
     from ..parallel.distributed import init_distributed, shutdown
     from .lifeline import LAUNCHER_PID_ENV, exit_when_gone
-    from .trainer import dry_run, run_training
+    from .trainer import run_training
 
     if LAUNCHER_PID_ENV in os.environ:
         exit_when_gone(int(os.environ[LAUNCHER_PID_ENV]))
     dist = None
     try:
         dist = init_distributed(timeout_s=config.engine.collective_timeout_s)
-        if args.dry_run:
-            dry_run(config, dist)
-        else:
-            run_training(config, dist)
+        run_training(config, dist)
     except BaseException as err:  # noqa: BLE001 - every failure ends this rank; see fail
         return fail(err, dist)
     shutdown()

@@ -18,24 +18,23 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
 
 import torch
 
 from ..storage import checkpoints
-from ..engine.config import CHANGEABLE_ON_RESUME, TrainConfig, config_changes, load_train_config, to_yaml
+from ..engine.config import TrainConfig, to_yaml
 from ..learning.data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
                    validate_records)
 from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
-from ..engine.registry import build_engine, check_engine_config, check_layout, model_critic_config
+from ..engine.registry import build_engine
 from ..learning.loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
 from .telemetry import Telemetry
-from .run_lock import check_not_in_use, run_dir_lock
+from .plan import PREPARED, JobPlan, plan_job, record_processes
+from .run_lock import run_dir_lock
 
-PREPARED = "prepared_rollouts.pt"
 OLD_VALUES = "old_values"  # a checkpoint's extra state: the PPO iteration's old values, response tokens only
 
 
@@ -55,11 +54,6 @@ class TrainingInterrupted(Exception):
         return f"interrupted at step {self.step}; resume with --resume (from {os.path.basename(self.latest)})"
 
 
-def check_backend(config: TrainConfig) -> None:
-    """The backend is registered and implements every parallel degree and knob the config sets."""
-    check_engine_config(config.backend, config.engine)
-
-
 def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
     """`embedded:<family>` -> a tiny random model written once into run_dir (by rank 0)."""
     if not path.startswith("embedded:"):
@@ -74,19 +68,6 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
             save_tiny_causal_lm(family, staging)
     barrier(world_group())
     return target
-
-
-def model_limits(model_path: str, trust_remote_code: bool) -> tuple[int, int | None]:
-    """(vocab_size, max_position_embeddings or None) of the model at `model_path` (or `embedded:<family>`)."""
-    from transformers import AutoConfig
-
-    if model_path.startswith("embedded:"):
-        from ..testdata import tiny_config
-
-        text = tiny_config(model_path.removeprefix("embedded:")).get_text_config()
-    else:
-        text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
-    return text.vocab_size, getattr(text, "max_position_embeddings", None)
 
 
 def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | None = None,
@@ -202,37 +183,24 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
 
         say = tqdm.write  # prints above the progress bar instead of through it
     say = say if main else (lambda *a, **k: None)
-    check_backend(config)
-    check_layout(config.backend, config.engine, world_size)
-
-    # Read-only checks first: a refused run changes nothing in run_dir. A run in progress there is
-    # named first: what it has written so far (checkpoints) would otherwise be reported instead.
-    # Every rank makes them (some on rank 0 only) and all agree on the outcome: a rank refused alone
-    # would leave the others waiting for it in the engine's first collective.
+    # The job's plan, read-only (a refused run changes nothing in run_dir), by the functions the
+    # launcher planned it with: the layout and the backend's refusals, the checkpoint read once, the
+    # run directory (a run in progress there named first). Every rank makes it and all agree on the
+    # outcome: a rank refused alone would leave the others waiting for it in the engine's first collective.
     with one_outcome("checking the run", group=world_group(), timeout_s=config.engine.collective_timeout_s):
-        if main:
-            check_not_in_use(run_dir)
-        latest = checkpoints.find_latest(ckpt_root)
-        if trainer.resume and latest is None:
-            raise ValueError(f"--resume: no complete checkpoint in {ckpt_root}; run without --resume to start fresh")
-        if not trainer.resume and latest is not None:
-            raise ValueError(f"{run_dir} already holds checkpoints ({os.path.basename(latest)}); pass --resume to "
-                             f"continue that run, or choose another trainer.run_dir")
-        prepared_file = os.path.join(run_dir, PREPARED)
-        resuming = trainer.resume
-        if resuming and not os.path.isfile(prepared_file):
-            raise ValueError(f"--resume: {prepared_file} is missing, so the run's old values and returns cannot be "
-                             f"restored; resume in the run_dir the checkpoint came from")
-        saved = _check_resume_config(config, run_dir, say) if resuming else None
+        plan = plan_job(config, world_size, in_use=main)
+        resuming = plan.resume is not None
         if resuming:
-            prepared = torch.load(prepared_file, weights_only=True)
+            say_resume(plan, say)
+            prepared = torch.load(os.path.join(run_dir, PREPARED), weights_only=True)
             train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
             refresh = bool(prepared.get("refresh_old_values", False))  # False: a run from before the refresh
         else:
-            vocab_size, max_positions = model_limits(config.engine.model.path, config.engine.model.trust_remote_code)
-            train, held_out = read_rollouts(config, vocab_size, max_positions, say)
-            # Old values only centre the value clip: without one (clip_range null, HL-Gauss) they are not renewed.
-            refresh = train.old_values is None and config.engine.loss.clip_range is not None
+            train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say)
+            refresh = refreshes_old_values(config, train)
+    latest = plan.resume.latest if resuming else None
+    saved = plan.resume.saved if resuming else None
+    prepared_file = os.path.join(run_dir, PREPARED)
 
     # One run per run_dir (rank 0 holds the lock; if it cannot, it fails and takes the others down).
     with run_dir_lock(run_dir) if main else contextlib.nullcontext():
@@ -250,46 +218,50 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
         optim = dataclasses.replace(config.engine.optim, total_steps=total_steps)
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, optim=optim))
         if main:
-            # config.yaml tells the truth: the keys this run uses, with the schedule's length filled in.
+            # config.yaml tells the truth: the keys this run uses, with the schedule's length filled in;
+            # launch.json the process count, which a --resume without --nproc keeps.
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(config))
+            record_processes(run_dir, world_size)
         model_cfg = dataclasses.replace(config.engine.model, path=model_path)
         engine_cfg = dataclasses.replace(config.engine, model=model_cfg)
 
         engine = engine_builder(engine_cfg) if engine_builder else build_engine(config.backend, engine_cfg, dist)
         try:
             return _train(engine, config, dist, train, held_out, latest, resuming, say, steps_per_epoch,
-                          refresh=refresh)
+                          refresh=refresh, critic_config=plan.model.critic_config)
         finally:
             engine.close()
 
 
-def _check_resume_config(config: TrainConfig, run_dir: str, say) -> TrainConfig:
-    """The run's saved config; refuse keys that cannot change mid-run, report the ones that did."""
-    saved_file = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(saved_file):
-        raise ValueError(f"--resume: {saved_file} is missing, so the run's settings cannot be checked; resume in the "
-                         f"run_dir the checkpoint came from")
-    saved = load_train_config([saved_file], [])
-    changes = config_changes(saved, config)
-    if config.engine.optim.total_steps is None:  # the saved value is what this run resolved it to
-        changes = [c for c in changes if c[0] != "engine.optim.total_steps"]
-    fixed = [c for c in changes if c[0] not in CHANGEABLE_ON_RESUME]
-    if fixed:
-        listed = "; ".join(f"{key}: {old!r} in the run, {new!r} now" for key, old, new in fixed)
-        raise ValueError(f"--resume: settings that cannot change mid-run differ from {saved_file}: {listed}. Resume "
-                         f"with the run's values, or start a new run in another trainer.run_dir")
-    for key, old, new in changes:
-        if key not in ("trainer.resume", "trainer.run_dir"):
-            note = ""
-            if key == "trainer.epochs" and saved.engine.optim.total_steps:
-                note = f" (the LR schedule still spans the run's {saved.engine.optim.total_steps} steps)"
-            say(f"resume: {key} changed from {old!r} to {new!r}{note}")
-    return saved
+def say_resume(plan: JobPlan, say) -> None:
+    """What a resume continues: the process count when it differs from the run's, the keys that changed."""
+    if plan.processes_note:
+        say(f"resume: {plan.processes} process(es), {plan.processes_note}")
+    for line in plan.resume.lines():
+        say(line)
+
+
+def refreshes_old_values(config: TrainConfig, train: Rollouts) -> bool:
+    """Whether the job renews the old values every data.rollout_batch_size rollouts (they only centre
+    the value clip: not without one, and not when the rollouts bring their own); then
+    data.rollout_batch_size must be a multiple of data.mini_batch_size (ValueError naming the
+    nearest that are)."""
+    if train.old_values is not None or config.engine.loss.clip_range is None:
+        return False
+    batch, mini = config.data.iteration_rollouts, config.data.mini_batch_size
+    if batch is not None and batch % mini:
+        below, above = batch // mini * mini, (batch // mini + 1) * mini
+        nearest = f"{below} or {above}" if below else f"{above}"
+        raise ValueError(f"data.rollout_batch_size={batch} must be a multiple of data.mini_batch_size={mini} (the "
+                         f"mini-batches of one PPO iteration, whose old values the critic renews): use {nearest}, "
+                         f"leave it unset (4 x data.mini_batch_size), or null for one iteration per epoch")
+    return True
 
 
 def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts,
-           latest: str | None, resuming: bool, say, steps_per_epoch: int, *, refresh: bool) -> dict[str, float]:
+           latest: str | None, resuming: bool, say, steps_per_epoch: int, *, refresh: bool,
+           critic_config) -> dict[str, float]:
     trainer = config.trainer
     main = dist.is_main
     run_dir = os.path.abspath(trainer.run_dir)
@@ -337,7 +309,7 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     step = position["global_step"]
     try:
         step = _epochs(engine, config, dist, train, held_out, position, metrics_log, progress, say, steps_per_epoch,
-                       refresh=refresh)
+                       refresh=refresh, critic_config=critic_config)
         _save(engine, ckpt_root, step, {"epoch": trainer.epochs, "step_in_epoch": 0, "global_step": step},
               trainer.keep_last, main, say)
     except KeyboardInterrupt:
@@ -356,7 +328,7 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
     trainer = config.trainer
     if trainer.export_hf:
         export_dir = os.path.join(run_dir, "hf_export")
-        engine.export_hf(export_dir)
+        engine.export_hf(export_dir, max_shard_size=trainer.export_max_shard_size)
         if config.engine.loss.support is None:
             say(f"exported {export_dir} (load it with transformers.AutoModelForTokenClassification)")
         else:  # plain transformers would give its bin logits
@@ -378,7 +350,7 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
 
 
 def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts, position: dict,
-            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int, *, refresh: bool) -> int:
+            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int, *, refresh: bool, critic_config) -> int:
     """The training loop from `position` to the last epoch; returns the last global step. `refresh`:
     the rollouts brought no old values, so each PPO iteration starts by taking the current critic's."""
     trainer = config.trainer
@@ -387,9 +359,9 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
     mini = config.data.mini_batch_size
     total_steps = steps_per_epoch * trainer.epochs
     step = position["global_step"]
-    batch = config.data.rollout_batch_size
+    batch = config.data.iteration_rollouts
     per_iteration = steps_per_epoch if batch is None else batch // mini  # mini-batches of one PPO iteration
-    telemetry = Telemetry(engine, model_critic_config(config.engine.model), dist.device)
+    telemetry = Telemetry(engine, critic_config, dist.device)
     for epoch in range(position["epoch"], trainer.epochs):
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.engine.seed * 1000 + epoch))
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
@@ -490,28 +462,44 @@ def _progress(total: int, done: int, *, enabled: bool):
                 mininterval=1.0, dynamic_ncols=True)
 
 
-def dry_run(config: TrainConfig, dist: DistContext, *, say=print) -> None:
-    """Check config, model checkpoint and rollouts without building the engine or training."""
-    from ..valuehead.cli import inspect_checkpoint
-
-    say = say if dist.is_main else (lambda *a, **k: None)
-    check_backend(config)  # the layout: checked by the launcher, with the process count it would start
-    # A dry run writes nothing: an embedded model is made in a temporary directory (each rank its
-    # own), not in run_dir.
-    with tempfile.TemporaryDirectory(prefix="critic_dry_run_") as scratch:
-        model_path = config.engine.model.path
-        if model_path.startswith("embedded:"):
-            from ..testdata import save_tiny_causal_lm
-
-            model_path = save_tiny_causal_lm(model_path.removeprefix("embedded:"), os.path.join(scratch, "model"))
-        info = inspect_checkpoint(model_path, head_prefix=config.engine.model.head_prefix,
-                                  trust_remote_code=config.engine.model.trust_remote_code)
-        shown = config.engine.model.path if model_path.startswith(scratch) else model_path
-        say(f"model: {shown}: {info['format']}, {info['family']} -> {info['critic_class']}, "
-            f"initialise {', '.join(info['would_initialise']) or 'nothing'}")
-        vocab_size, max_positions = model_limits(model_path, config.engine.model.trust_remote_code)
+def dry_run(plan: JobPlan, *, say=print) -> None:
+    """What the job would do, from its plan (every check a launch makes before it starts a process
+    has passed), and the rollouts it would train on, checked; builds no engine, trains and writes
+    nothing."""
+    config = plan.config
+    say(f"{plan.layout_line()}{f', {plan.processes_note}' if plan.processes_note else ''}; the dry run itself runs "
+        f"in this one process")
+    if plan.resume is not None:
+        resume = plan.resume
+        say(f"resume: from {resume.latest} (the critic, its optimizer and the data position come from the "
+            f"checkpoint; the rollouts and their old values from {PREPARED})")
+        for line in resume.lines():
+            say(line)
+    else:
+        say(f"model: {model_line(config.engine.model.path, plan)}")
     if config.engine.lora.rank:
         say(lora_line(config.engine.lora))
-    train, held_out = read_rollouts(config, vocab_size, max_positions, say)
+    if plan.resume is not None:
+        prepared = torch.load(os.path.join(os.path.abspath(config.trainer.run_dir), PREPARED), weights_only=True)
+        train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
+    else:
+        train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say)
+        refreshes_old_values(config, train)
     tokens = int(train.attention_mask.sum())
     say(f"rollouts: {len(train)} train ({tokens} tokens), {len(held_out)} held out; config OK")
+
+
+def model_line(path: str, plan: JobPlan) -> str:
+    """'<path>: <format>, <family> -> <critic class>, initialise <...>' from the plan's one read."""
+    from ..valuehead.cli import inspect_checkpoint, would_initialise
+    from ..valuehead.config import critic_class, head_name
+
+    critic_config = plan.model.critic_config
+    if plan.model.plan is None:  # embedded:<family>: a fresh random causal LM
+        what = f"causal-lm (a tiny random {path.removeprefix('embedded:')}, made when the run starts)"
+        initialise = would_initialise(head_name(critic_config))
+    else:
+        info = inspect_checkpoint(path, plan=plan.model.plan)
+        what, initialise = info["format"], info["would_initialise"]
+    return (f"{path}: {what}, {critic_config.model_type} -> {critic_class(critic_config).__name__}, "
+            f"initialise {', '.join(initialise) or 'nothing'}")

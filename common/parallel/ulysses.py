@@ -120,8 +120,9 @@ def check_layout(model_config, engine_config, world_size: int) -> None:
     check_attention(engine_config)
     degree = engine_config.parallel.ulysses
     if degree > 1:
-        heads = model_config.num_attention_heads
-        check_heads(heads, getattr(model_config, "num_key_value_heads", None) or heads, degree)
+        text = model_config.get_text_config()
+        heads = text.num_attention_heads
+        check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, degree)
 
 
 def _replicate_kv(t: torch.Tensor, degree: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -90,7 +91,7 @@ def test_config_overrides_and_every_key_documented():
     ("engine.loss.agg_mode=mean", "engine.loss.agg_mode='mean'"),
     ("engine.lora.target_modules=[q_proj,v_proj]", "engine.lora.target_modules=['q_proj', 'v_proj'] set, but "
                                                    "engine.lora.rank=0 turns LoRA off"),
-    ("data.rollout_batch_size=100", "data.rollout_batch_size=100 must be a multiple of data.mini_batch_size=64"),
+    ("data.rollout_batch_size=-1", "data.rollout_batch_size=-1 must be >= 0"),
     ("engine.collective_timeout_s=0", "engine.collective_timeout_s=0.0 must be > 0"),
     # Issue 27, 4.8: every missing HL-Gauss setting in one message, not one per run.
     ("engine.loss.kind=hl_gauss", "engine.loss.clip_range=0.5 does not apply to engine.loss.kind=hl_gauss (a value "
@@ -101,6 +102,55 @@ def test_config_errors_name_the_key_as_the_user_writes_it(override, message):
     with pytest.raises(ValueError) as raised:
         load_train_config([], [override])
     assert message in str(raised.value), str(raised.value)
+
+def test_the_ppo_iteration_follows_the_mini_batch_and_is_checked_only_where_it_renews_old_values():
+    # Issue 40, 6: data.mini_batch_size=12 alone was refused against a fixed default of 256.
+    import torch
+
+    from critic_adapters.common.job.trainer import refreshes_old_values
+    from critic_adapters.common.learning.data import Rollouts
+
+    assert load_train_config([], ["data.mini_batch_size=12"]).data.iteration_rollouts == 48
+    assert load_train_config([], []).data.iteration_rollouts == 256  # 4 x the default 64, as before
+    assert load_train_config([], ["data.rollout_batch_size=null"]).data.iteration_rollouts is None
+    config = load_train_config([], ["data.mini_batch_size=12", "data.rollout_batch_size=100"])
+    ids = torch.ones(2, 3, dtype=torch.long)
+    without_old = Rollouts(ids, ids, ids, returns=torch.zeros(2, 3), rewards=None, old_values=None)
+    with pytest.raises(ValueError, match=r"rollout_batch_size=100 must be a multiple of data.mini_batch_size=12 .*use "
+                                         r"96 or 108"):
+        refreshes_old_values(config, without_old)
+    with_old = Rollouts(ids, ids, ids, returns=torch.zeros(2, 3), rewards=None, old_values=torch.zeros(2, 3))
+    assert refreshes_old_values(config, with_old) is False  # old values in the data: never renewed, not checked
+    unclipped = load_train_config([], ["data.mini_batch_size=12", "data.rollout_batch_size=100",
+                                       "engine.loss.clip_range=null"])
+    assert refreshes_old_values(unclipped, without_old) is False
+    small = load_train_config([], ["data.mini_batch_size=12", "data.rollout_batch_size=5"])
+    with pytest.raises(ValueError, match="use 12,"):
+        refreshes_old_values(small, without_old)
+
+
+def test_a_resume_may_change_the_expert_and_replicate_degrees_but_not_what_it_computes(tmp_path):
+    """Issue 40, 5: checkpoints hold global tensors, so an EP 2 or HSDP run resumes at another degree
+    (tests/test_moe.py resumes EP 2 at EP 1; tests/test_new_user.py an fsdp run at replicate 2)."""
+    from critic_adapters.common.engine.config import to_yaml
+    from critic_adapters.common.job.plan import PREPARED, check_run
+    from critic_adapters.common.storage.checkpoints import META_FILE, step_dir
+
+    run = [f"trainer.run_dir={tmp_path}", "backend=megatron", "engine.model.path=embedded:qwen3_moe"]
+    (tmp_path / "config.yaml").write_text(to_yaml(load_train_config([], [*run, "engine.parallel.expert=2",
+                                                                         "engine.parallel.replicate=1"])))
+    (tmp_path / PREPARED).write_bytes(b"")
+    os.makedirs(step_dir(str(tmp_path / "checkpoints"), 4))
+    (tmp_path / "checkpoints" / "step_000004" / META_FILE).write_text("{}")
+    resume = check_run(load_train_config([], [*run, "trainer.resume=true", "engine.parallel.expert=1",
+                                              "engine.parallel.replicate=2"]))
+    assert resume.latest.endswith("step_000004") and resume.processes is None
+    assert [key for key, _, _ in resume.changes] == ["engine.parallel.replicate", "engine.parallel.expert"]
+    with pytest.raises(ValueError, match="engine.loss.clip_range: 0.5 in the run, 0.2 now"):
+        check_run(load_train_config([], [*run, "trainer.resume=true", "engine.loss.clip_range=0.2"]))
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        check_run(load_train_config([], run))
+
 
 def test_lr_schedules():
     constant = OptimConfig(lr=1.0, warmup_steps=4)

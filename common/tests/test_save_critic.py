@@ -120,7 +120,7 @@ def test_a_sharded_save_is_what_transformers_writes_and_reads(tmp_path):
             write_critic(model.config, str(tmp_path / name), specs, iter(tensors))
         assert not os.path.exists(tmp_path / name)  # nothing half-written
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(7) == 7
-    with pytest.raises(ValueError, match="give bytes as an int or a size like"):
+    with pytest.raises(ValueError, match="give bytes as an int .* like '5GB', '500MB', '2G'"):
         parse_size("five")
 
 
@@ -138,6 +138,30 @@ def test_convert_streams_into_sharded_files(tmp_path, capsys):
     again, report = load_critic(out)
     assert report.format == "hf-token-classification"
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in again.state_dict().items())
+
+
+def test_writing_and_reading_tensors_leaves_their_storages_resizable(tmp_path):
+    """Issue 40, 1: the streaming writer once wrote through numpy, which marks the written tensor's
+    storage non-resizable for good; a megatron parameter written so was later re-pointed by offload,
+    which cut its gradient hook. Neither the writer nor the sliced reader may change the flag, and an
+    engine whose tensors must not be re-pointed refuses such a storage instead of re-pointing it."""
+    from critic_adapters.common.engine.offload import StorageOffload
+    from critic_adapters.common.valuehead.safetensors_stream import TensorSpec, write_streaming
+    from critic_adapters.common.valuehead.sliced import _data_locations, read_rows
+
+    weight = torch.randn(4, 3)
+    write_streaming(str(tmp_path), [TensorSpec("w", (4, 3), torch.float32)], [("w", weight)])
+    assert weight.untyped_storage().resizable()
+    rows = read_rows(_data_locations(str(tmp_path / "model.safetensors"))["w"], 1, 3)
+    assert torch.equal(rows, weight[1:3]) and rows.untyped_storage().resizable()
+
+    aliased = torch.randn(4)
+    aliased.numpy()  # what the writer did
+    with pytest.raises(RuntimeError, match="cannot be resized"):
+        StorageOffload().offload({"model": [aliased]}, {"model"}, repoint=False)
+    kept = aliased.clone()
+    StorageOffload().offload({"model": [aliased]}, {"model"})  # an engine that may re-point: an owned copy, freed
+    assert aliased.untyped_storage().nbytes() == 0 and kept.numel() == 4
 
 
 if __name__ == "__main__":

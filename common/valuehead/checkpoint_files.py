@@ -7,6 +7,7 @@ files before anything is built.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -26,6 +27,18 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 SIDECAR_FILES = ("value_head.safetensors", "value_head.bin")
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                          "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a memoryview, for file reads and writes in place.
+
+    Not `memoryview(tensor.numpy())`: numpy marks the tensor's storage non-resizable for good, and a
+    parameter's storage must stay resizable (offload frees it by resizing it to 0 bytes; a storage
+    that cannot be resized would have to be re-pointed, which cuts the gradient hooks a library such
+    as megatron's DDP holds). The view is valid while `tensor` lives."""
+    assert tensor.device.type == "cpu" and tensor.is_contiguous(), "tensor_bytes takes a contiguous CPU tensor"
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else memoryview(b"")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

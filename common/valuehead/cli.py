@@ -31,17 +31,24 @@ ALIGNMENT = ("values[t] is the critic's value for token t, read at position t-1 
              "values[0] has none and is 0.0")
 
 
-def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remote_code: bool = False) -> dict:
-    """What load_critic would do with `path`, from config.json and tensor headers only."""
-    plan = plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code)
+def would_initialise(head: str, detection=None) -> list[str]:
+    """The head tensors load_critic initialises for a checkpoint of this detection (None: a model
+    with no head at all)."""
+    if detection is None or detection.head_weight is None:
+        return [f"{head}.weight (fresh head)", f"{head}.bias (zero)"]
+    if detection.head_bias is None:
+        return [f"{head}.bias (zero: this format has no bias)"]
+    return []
+
+
+def inspect_checkpoint(path: str, *, head_prefix: str | None = None, trust_remote_code: bool = False,
+                       plan=None) -> dict:
+    """What load_critic would do with `path`, from config.json and tensor headers only (`plan`: its
+    plan_load, when the caller has read it already)."""
+    plan = plan or plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code)
     config, index, detection, head = plan.config, plan.index, plan.detection, plan.head
     tensors = index.sidecar_tensors if detection.head_file else index.tensors
-    if detection.head_weight is None:
-        initialised = [f"{head}.weight (fresh head)", f"{head}.bias (zero)"]
-    elif detection.head_bias is None:
-        initialised = [f"{head}.bias (zero: this format has no bias)"]
-    else:
-        initialised = []
+    initialised = would_initialise(head, detection)
     ignored = sorted(plan.projections - {key.removeprefix(detection.backbone_prefix) for key in detection.head_keys})
     return {
         "path": path,
@@ -96,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-head", action="store_true", help="ignore any head in SRC; start from a fresh one")
     p.add_argument("--adapter", help="a peft LoRA adapter of SRC (engine.export_adapter): merge it and take its head")
     p.add_argument("--max-shard-size", default="5GB",
-                   help="largest safetensors file; more is written as model-0000k-of-0000n.safetensors + "
-                        "model.safetensors.index.json (default 5GB)")
+                   help="largest safetensors file, in bytes (100000) or with a unit (500MB, 2G, 2GB, 1GiB); more is "
+                        "written as model-0000k-of-0000n.safetensors + model.safetensors.index.json (default 5GB)")
     load_options(p)
 
     p = sub.add_parser("values", help="per-token values for some tokens, or for a whole rollout file",
@@ -211,7 +218,8 @@ def _convert(args) -> tuple[str, object, str]:
 
     options = dict(torch_dtype=DTYPES[args.dtype], head_prefix=args.head_prefix, fresh_head=args.fresh_head,
                    trust_remote_code=args.trust_remote_code, adapter_path=args.adapter)
-    max_shard_size = parse_size(args.max_shard_size)  # a bad size is refused before anything is read
+    # a bad size is refused before anything is read
+    max_shard_size = parse_size(args.max_shard_size, key="--max-shard-size")
     sliced = open_sliced(args.src, **options)
     if isinstance(sliced, str):
         model, report = load_critic(args.src, **options)

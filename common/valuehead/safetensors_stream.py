@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, tensor_bytes
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes of tensor data per file (transformers' save_pretrained default is 5 GB too)."""
@@ -39,19 +39,28 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like '5GB', '200MB', '2GiB' (as transformers' max_shard_size)."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    for suffix, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                           ("KB", 10**3), ("B", 1)):
-        if text.endswith(suffix):
-            try:
-                return int(float(text[: -len(suffix)]) * factor)
-            except ValueError:
-                break
-    raise ValueError(f"max_shard_size={size!r}: give bytes as an int or a size like '5GB' or '500MB'")
+_UNITS = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
+          "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "T": 10**12, "G": 10**9, "M": 10**6, "K": 10**3,
+          "B": 1}
+SIZE_FORMS = ("bytes as an int (100000), or a number with a unit: B, KB, MB, GB, TB (powers of 1000; K, M, G, T "
+              "the same) or KiB, MiB, GiB, TiB (powers of 1024), like '5GB', '500MB', '2G', '1.5GiB'")
+
+
+def parse_size(size: int | str, *, key: str = "max_shard_size") -> int:
+    """Bytes (> 0) from an int, a string of digits, or a size as transformers' max_shard_size takes it
+    ('5GB', '500MB', '2GiB'), also with a one-letter unit ('2G': 2 * 10**9), in any letter case. `key`
+    names the setting in the ValueError for anything else."""
+    count = size if type(size) is int else None  # (not a bool or a float)
+    if isinstance(size, str):
+        text = size.strip().upper().replace(" ", "")
+        unit = next((u for u in _UNITS if text.endswith(u)), "")  # longest first: "GIB" before "B"
+        try:
+            count = float(text[: len(text) - len(unit)]) * _UNITS.get(unit, 1)
+        except ValueError:
+            count = None
+    if count is None or not 1 <= count < float("inf"):
+        raise ValueError(f"{key}={size!r}: give {SIZE_FORMS}")
+    return int(count)
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
@@ -128,7 +137,7 @@ class StreamingSafetensorsWriter:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         with open(path, "r+b") as f:
             f.seek(offset + (0 if whole else first_row * row_bytes))
-            f.write(memoryview(data.numpy()))
+            f.write(tensor_bytes(data))
         total = spec.shape[0] if spec.shape else 1
         done = self._rows.get(name, 0) + (total if whole else rows)
         if done > total:

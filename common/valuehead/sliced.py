@@ -30,6 +30,7 @@ import torch
 
 from ._quiet import quiet_transformers
 from .attention import select_attn_implementation
+from .checkpoint_files import tensor_bytes
 from .config import DECLARED_HEAD, critic_class, critic_head, install_value_head
 from .errors import CriticLoadError
 from .experts import describe_experts
@@ -76,7 +77,7 @@ def read_rows(stored: _Stored, start: int, stop: int) -> torch.Tensor:
         buffer = out.view(-1).view(torch.uint8) if out.dim() else out.view(1).view(torch.uint8)
         with open(stored.file, "rb", buffering=0) as f:
             f.seek(stored.offset + start * row)
-            done = f.readinto(memoryview(buffer.numpy()))
+            done = f.readinto(tensor_bytes(buffer))
         if done != nbytes:
             raise CriticLoadError(f"{stored.file}: expected {nbytes} bytes at offset {stored.offset + start * row}, "
                                   f"read {done}; the file changed while it was being read")

@@ -42,7 +42,7 @@ def run_on_ray_group(args: argparse.Namespace, config) -> int:
     from .cluster import check_fits, ensure_ray, shutdown_ray
     from .group import RayCriticGroup
 
-    num_workers = args.nproc or config.engine.parallel.model_parallel_size
+    num_workers = args.nproc  # the job's plan: --nproc, the run's own count on --resume, else what the layout needs
     gpus = args.gpus_per_worker if args.gpus_per_worker is not None else float(torch.cuda.is_available())
     resources = {"CPU": args.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
 

@@ -5,8 +5,8 @@ ranks, each rank writing what it saw to WORKDIR/rank<r>.json (test_conformance.p
 
 In order: a warm-up engine (lazy imports may install their own warning filters or attention
 names once), then a snapshot of the process's state; an engine's coordinates; a save that fails on
-rank 0 only; NaN returns on rank 1 only; an update, a save, a second engine loading that checkpoint;
-an HF export; then, from that export, one engine at each model-parallel layout of two ranks the
+rank 0 only; NaN returns on rank 1 only; an update, a save, an HF export, an offload cycle and the next update, a second engine loading
+that checkpoint and taking the same update; then, from that export, one engine at each model-parallel layout of two ranks the
 backend's spec offers (tensor, pipeline, context, ulysses at degree 2; `layouts`) calling every
 method of the contract; close, then every patched function, environment variable, RNG and warning
 filter compared with the snapshot; then shutdown and the gloo worker threads still alive.
@@ -294,6 +294,14 @@ def offload_phases(engine, batch: RolloutBatch) -> dict:
     return out
 
 
+def _update_and_values(engine, rank: int) -> dict:
+    """The next update's loss and grad norm, and this rank's values after it."""
+    metrics = engine.update(rollout(rank + 2))
+    batch = rollout(rank)
+    return {"value_loss": metrics["value_loss"], "grad_norm": metrics["grad_norm"],
+            "values_after": engine.compute_values(batch.input_ids, batch.attention_mask).tolist()}
+
+
 def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a.cpu() - b.cpu()).abs()[mask.bool()].max())
 
@@ -397,14 +405,20 @@ def main() -> None:
     values = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     export_dir = os.path.join(workdir, "hf_export")
     engine.export_hf(export_dir)
-    out["next_loss"] = engine.update(rollout(dist.rank + 2))["value_loss"]
+    # An export, then an offload cycle, then the next update: it must be the one an engine that did
+    # neither takes (the second engine, resumed from the same checkpoint). An export once aliased
+    # parameter storages into numpy, and the offload then re-pointed them, cutting megatron's
+    # gradient hooks: the embedding, norms and head took no gradient.
+    engine.offload()
+    engine.onload()
+    out["next_update"] = _update_and_values(engine, dist.rank)
     engine.close()
 
     second = build_engine(backend, config, dist)
     second.load_checkpoint(resumed_dir)
     resumed = second.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     out["resume_values_diff"] = float((resumed - values).abs().max())
-    out["resumed_next_loss"] = second.update(rollout(dist.rank + 2))["value_loss"]
+    out["resumed_next_update"] = _update_and_values(second, dist.rank)
     second.close()
     torch.save(values, os.path.join(workdir, f"values{dist.rank}.pt"))
     reference = all_gather_object(values, group=torch_dist.group.WORLD)[0]  # rank 0's rows: rollout(0)

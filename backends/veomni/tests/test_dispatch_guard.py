@@ -86,6 +86,18 @@ def test_unregistered_family(root):
     assert float((result["values"] - expected).abs()[mask.bool()].max()) <= 1e-5
 
 
+def test_the_declared_families_are_the_installed_veomnis_registry():
+    """The launcher refuses a family VeOmni has no modeling for from VEOMNI_FAMILIES, without importing
+    VeOmni (issue 40, 4); the list must be the installed VeOmni's MODELING_REGISTRY."""
+    from critic_adapters.backends.veomni.quiet import veomni_output
+    from critic_adapters.backends.veomni.value_model import VEOMNI_FAMILIES
+
+    with veomni_output():
+        from veomni.models.loader import MODELING_REGISTRY
+
+    assert sorted(VEOMNI_FAMILIES) == sorted(MODELING_REGISTRY.valid_keys())
+
+
 def test_meta_parameters_are_refused():
     with torch.device("meta"):
         model = torch.nn.Linear(4, 1)
