@@ -194,7 +194,9 @@ def _plan(args, config):
     try:
         plan = plan_job(config, args.nproc)
     except ValueError as err:
-        where = f" (--nproc {args.nproc})" if args.nproc is not None and "--nproc" not in str(err) else ""
+        # A process-count refusal names the count asked for (a run-dir or model refusal holds at any count).
+        where = f" (--nproc {args.nproc})" if args.nproc is not None and "process" in str(err) and \
+            "--nproc" not in str(err) else ""
         raise ValueError(f"{err}{where}{_job_default_note(config, str(err))}") from None
     reason = unwritable_reason(config.trainer.run_dir) if not args.dry_run else None  # a dry run writes nothing
     if reason:

@@ -136,7 +136,28 @@ def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | 
             break
     process.wait(timeout=120)
     assert not any(line.startswith("final explained_variance") for line in seen), "run finished before the kill"
+    _wait_until_released(args)
     return seen
+
+
+def _wait_until_released(args) -> None:
+    """Wait (60 s at most) for the killed launcher's workers to exit: they run in sessions of their own
+    and leave when they see the launcher gone (common.job.lifeline), and until then rank 0 holds the
+    run's lock, which a --resume rightly refuses."""
+    import time
+
+    from ..job.run_lock import check_not_in_use
+
+    run_dirs = [arg.split("=", 1)[1] for arg in args if arg.startswith("trainer.run_dir=")]
+    deadline = time.monotonic() + 60
+    for run_dir in run_dirs:
+        while True:
+            try:
+                check_not_in_use(os.path.abspath(run_dir))
+                break
+            except ValueError:
+                assert time.monotonic() < deadline, f"the killed run's workers still hold {run_dir} after 60 s"
+                time.sleep(0.2)
 
 
 # SHORT_JOB's checkpoint of step 16: epoch 2 has begun (15 steps an epoch) and its first PPO iteration
