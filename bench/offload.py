@@ -11,9 +11,12 @@ the causal LM saved is 56.9M with its untied lm_head, which the critic drops) an
 so that gradients and Adam's state exist. Then, `--repeats` times: engine.offload() (parameters,
 gradients, optimizer state), engine.onload(). Reported per backend: the bytes moved (what
 engine.resident_bytes() counted before), the median seconds of each direction and their sum per
-GiB, what stays on the device after the offload (CUDA: torch.cuda.memory_allocated() after / before;
-CPU: the engine's resident bytes), and whether the values after the last onload equal those
-before the first offload (bit for bit). Printed last:
+GiB, what stays on the device after the offload (the engine's resident bytes; on CUDA also
+torch.cuda.memory_allocated() after / before, and before and after the last offload this process's
+allocated and reserved bytes (torch.cuda.memory_allocated, memory_reserved) and the device's free and
+total bytes (torch.cuda.mem_get_info): what another process, the actor's or the rollout engine's,
+can allocate; None on CPU), and whether the values after the last onload equal those before the
+first offload (bit for bit). Printed last:
   offload+onload s/GiB: fsdp <a>, veomni <b>, megatron <c> (<device>)
 """
 
@@ -67,8 +70,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _allocated() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+def _device_memory() -> dict | None:
+    """CUDA: this process's allocated and reserved (cached) bytes and the device's free and total
+    bytes, which every process sees; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "free": free, "total": total}
 
 
 def measure(backend: str, model_dir: str, repeats: int, dist) -> dict:
@@ -85,13 +94,16 @@ def measure(backend: str, model_dir: str, repeats: int, dist) -> dict:
         moved = sum(resident.values())
         offload_s, onload_s, left = [], [], None
         for _ in range(repeats):
-            allocated = _allocated()
             _sync()
+            memory = _device_memory()
             start = time.perf_counter()
             engine.offload()
             _sync()
             offload_s.append(time.perf_counter() - start)
-            left = {"device_allocated_after_over_before": (_allocated() / allocated) if allocated else None,
+            after = _device_memory()
+            left = {"device_allocated_after_over_before":
+                        after["allocated"] / memory["allocated"] if memory and memory["allocated"] else None,
+                    "device_memory_before_offload": memory, "device_memory_after_offload": after,
                     "resident_bytes_after": sum(engine.resident_bytes().values())}
             start = time.perf_counter()
             engine.onload()
@@ -103,6 +115,14 @@ def measure(backend: str, model_dir: str, repeats: int, dist) -> dict:
     off, on = statistics.median(offload_s), statistics.median(onload_s)
     return {"backend": backend, "bytes": moved, "parts": resident, "offload_s": off, "onload_s": on,
             "offload_onload_s_per_gib": (off + on) / (moved / GIB), **left, "values_equal_after": same}
+
+
+def _memory_change(before: dict | None, after: dict | None) -> str:
+    """", CUDA reserved a -> b GiB, free c -> d of e GiB" (the last offload), or "" on CPU."""
+    if before is None:
+        return ""
+    return (f", CUDA reserved {before['reserved'] / GIB:.3f} -> {after['reserved'] / GIB:.3f} GiB, free "
+            f"{before['free'] / GIB:.2f} -> {after['free'] / GIB:.2f} of {after['total'] / GIB:.2f} GiB")
 
 
 def main(argv=None) -> int:
@@ -132,6 +152,7 @@ def main(argv=None) -> int:
             print(f"{backend:9s} {row['bytes'] / GIB:6.3f} GiB  offload {row['offload_s']:.3f} s  onload "
                   f"{row['onload_s']:.3f} s  ({row['offload_onload_s_per_gib']:.2f} s/GiB)  left on device: "
                   f"{row['resident_bytes_after']} B" + (f", {left:.1%} of CUDA allocated" if left is not None else "")
+                  + _memory_change(row["device_memory_before_offload"], row["device_memory_after_offload"])
                   + f"  values equal after: {row['values_equal_after']}", flush=True)
     shutdown()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

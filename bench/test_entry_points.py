@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from critic_adapters.common.tests.helpers import run_pytest
 
@@ -55,6 +56,9 @@ def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["backend"] for r in rows] == ["fsdp", "megatron"]
     assert all(r["bytes"] > 0 and r["resident_bytes_after"] == 0 and r["values_equal_after"] for r in rows), rows
+    # CUDA's allocated / reserved / free bytes around the offload (issue 41, item 7); none on CPU.
+    cuda = torch.cuda.is_available()
+    assert all((r["device_memory_after_offload"] is not None) == cuda for r in rows), rows
 
 
 def test_the_scale_benchmark_measures_each_run(tmp_path):

@@ -187,7 +187,9 @@ def test_a_checkpoint_holds_only_what_trains_and_resumes_bit_identically(run):
     trained = sum(t.numel() * 4 for name, t in result["before"].items()
                   if ".lora_" in name or name.startswith("score."))
     written = result["checkpoint_bytes"] - 2**20  # checkpoint_bytes adds 1 MiB of slack
-    assert 3 * trained <= written < 3 * trained + 4096 and written < full  # the adapters, the head, their Adam moments
+    # the adapters, the head, their Adam moments (and megatron's distributed optimizer's fp32 copy of them)
+    copies = 4 if (work / "checkpoint" / "common.pt").exists() else 3
+    assert copies * trained <= written < copies * trained + 4096 and written < full
 
 
 def test_a_megatron_tp2_adapter_continues_on_fsdp_with_the_same_values(model_dirs, tmp_path_factory):

@@ -174,6 +174,9 @@ def test_6_a_clean_run_prints_no_warning_on_stdout(clean_runs, launcher):
              "Loading checkpoint shards")  # VeOmni's bar over our own staging copy (issue 27, 3)
     assert not [k for k in known if k in result.stderr], result.stderr[-4000:]
     assert "final explained_variance=" in result.stdout
+    # Issue 41, item 13: the run's first lines say which kernels run and why.
+    kernels = [line for line in result.stdout.splitlines() if line.startswith("  kernels      ")]
+    assert len(kernels) == 1 and "attention " in kernels[0] and "(" in kernels[0], result.stdout[:3000]
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,15 @@ the mesh is a data-parallel rank.
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 
 import torch
 
 from .parallelize import parallelize_critic
 from .sharded_load import load_sharded_critic
+from ...common.engine.config import compute_dtype
 from ...common.engine.fsdp2_core import DTYPES, FSDP2Engine, attention_for
+from ...common.engine.registry import read_model
 from ...common.engine.mesh import ParallelMesh, build_mesh
 from ...common.engine.schedule import build_scheduler
 from ...common.engine.pipeline import engine_transforms
@@ -32,16 +34,16 @@ class FSDPCriticEngine(FSDP2Engine):
 
     def _build(self):
         config, dist = self.config, self.dist
+        # engine.cpu_offload: FSDP2's CPUOffloadPolicy on every device (on a CPU mesh the shards stay
+        # where they are, and the same code runs as on GPU).
         cpu_offload = config.cpu_offload
-        if cpu_offload and dist.device.type == "cpu":
-            warnings.warn("engine.cpu_offload is ignored: this run is on CPU already (it offloads GPU shards)",
-                          stacklevel=4)
-            cpu_offload = False
         model_cfg = config.model
+        # fully_shard applies a mixed-precision policy at any shard count (parallelize_critic).
+        attention = attention_for(config, read_model(config).critic_config, compute_dtype(config))
         model, report = load_sharded_critic(
             model_cfg.path,
             dtype=DTYPES[model_cfg.dtype],
-            attn_implementation=attention_for(config),
+            attn_implementation=attention.kernel,
             load_kwargs=dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
                              fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
                              value_head=config.loss.support, init_from_scalar_head=model_cfg.init_from_scalar_head),
@@ -51,7 +53,9 @@ class FSDPCriticEngine(FSDP2Engine):
                 gradient_checkpointing=config.gradient_checkpointing, cpu_offload=cpu_offload),
             device=dist.device,
             mesh=self.parallel,
+            cpu_offload=cpu_offload,
         )
+        report = dataclasses.replace(report, kernels=f"attention {attention}")
         optim = config.optim
         # fused: one kernel for all parameters instead of a dozen elementwise ops per parameter.
         optimizer = torch.optim.AdamW(trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas),

@@ -39,7 +39,8 @@ def parallelize_critic(
     else:
         body_policy = MixedPrecisionPolicy()
     head_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
-    offload = CPUOffloadPolicy() if cpu_offload else None
+    # Pinned host memory needs CUDA: on a CPU mesh the shards stay in ordinary memory.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else None
     common = {"mesh": mesh, **({"offload_policy": offload} if offload else {})}
 
     # 3. FSDP2: per decoder layer, the head, then the root (embeddings, final norm). On a single rank

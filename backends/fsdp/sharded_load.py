@@ -46,9 +46,12 @@ def load_sharded_critic(
     parallelize: Callable[[torch.nn.Module, DeviceMesh], torch.nn.Module],
     device: torch.device,
     mesh: ParallelMesh,
+    cpu_offload: bool = False,
 ) -> tuple[torch.nn.Module, LoadReport]:
     """(the transformed, parallelised critic on `device`, rank 0's load report) on every rank of the
-    mesh's shard group (its data-parallel ranks, times the Ulysses degree)."""
+    mesh's shard group (its data-parallel ranks, times the Ulysses degree). `cpu_offload`: the
+    `parallelize` callable applies FSDP2's CPUOffloadPolicy, so a sharded build materialises the
+    parameters on the CPU (FSDP2 refuses offloaded shards anywhere else)."""
     fsdp_mesh = mesh.fsdp_device_mesh(device.type)
     if mesh.shard_size == 1:
         model, report = load_critic(path, torch_dtype=dtype, attn_implementation=attn_implementation, **load_kwargs)
@@ -61,5 +64,5 @@ def load_sharded_critic(
                                                trust_remote_code=load_kwargs.get("trust_remote_code", False),
                                                head_prefix=load_kwargs.get("head_prefix"),
                                                value_head=load_kwargs.get("value_head", DECLARED_HEAD)),
-        parallelize=lambda model: parallelize(model, fsdp_mesh))
+        parallelize=lambda model: parallelize(model, fsdp_mesh), cpu_offload=cpu_offload)
     return model.eval(), report

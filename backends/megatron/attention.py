@@ -11,7 +11,11 @@ On GPU with TransformerEngine, TE's attention takes the same PackedSeqParams ins
 Context parallelism (the Llama 3 way): each rank holds its two chunks of every sequence
 (context_parallel.py); keys and values are all-gathered over the CP group (the backward
 reduce-scatters their gradients) and put back in sequence order, and this rank's queries attend to
-all of them under the causal mask of their global positions, per sequence for packed rows.
+all of them under the causal mask of their global positions, per sequence for packed rows: without
+a mask where a log-sum-exp kernel runs the tensors (context_parallel.chunk_attention; CPU, and CUDA
+in bf16/fp16/fp32), with a (L/N x L) mask otherwise (and under attention dropout).
+Grouped K/V heads reach sdpa through common.parallel.sdpa (repeated where CUDA would otherwise fall
+to its MATH kernel).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from . import context_parallel as cp
+from ...common.parallel.sdpa import repeat_kv, sdpa
 from ...common.parallel.sequence_parallel import all_gather_summed_grad, group_rank, group_size
 
 
@@ -52,14 +56,12 @@ class PackedCoreAttention(MegatronModule):
             assert group_size(self.cp_group) == self.cp_size, (group_size(self.cp_group), self.cp_size)
 
     def _sdpa(self, q, k, v, **kwargs):
-        """q (n, h, Lq, d), k/v (n, g, Lk, d) -> (n, h, Lq, d)."""
+        """q (n, h, Lq, d), k/v (n, g, Lk, d) -> (n, h, Lq, d); grouped heads as common.parallel.sdpa calls them."""
         dropout = self.dropout if self.training else 0.0
         if dropout:  # dropout on tensor-parallel heads draws from the model-parallel RNG, as megatron's does
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=self.scale,
-                                                      enable_gqa=self.groups != self.heads, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=self.groups != self.heads,
-                                              **kwargs)
+                return sdpa(q, k, v, dropout_p=dropout, scale=self.scale, **kwargs)
+        return sdpa(q, k, v, scale=self.scale, **kwargs)
 
     def _packed(self, query, key, value, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """THD: q (t, np, hn), k/v (t, ng, hn) -> (t, np * hn), attention within each sequence.
@@ -95,14 +97,11 @@ class PackedCoreAttention(MegatronModule):
         rank = group_rank(self.cp_group)
         dropout = self.dropout if self.training else 0.0
         if not dropout:
-            if self.groups != self.heads:  # the flash kernel takes as many KV heads as query heads
-                k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
+            k, v = repeat_kv(q, k, v)  # the kernels that return a log-sum-exp take as many KV heads as query heads
             context = cp.chunk_attention(q, k, v, self.cp_size, rank, self.scale)
             if context is not None:
                 return context
-        mine = cp.chunk_positions(span, self.cp_size, rank).to(q.device)
-        keep = mine[:, None] >= torch.arange(span, device=q.device)[None]
-        return self._sdpa(q, k, v, attn_mask=keep)
+        return self._sdpa(q, k, v, attn_mask=cp.chunk_mask(span, self.cp_size, rank, q.device))
 
     def _padded(self, query, key, value, attention_mask) -> torch.Tensor:
         """(s, b, n, d) -> (s, b, n * d); mask (b, 1, s, s) True = masked out ((b, 1, s / N, s) under CP)."""

@@ -6,6 +6,9 @@ engine using them closes), and `cuda_to_cpu()` is a context manager for the code
 that allocate with `device="cuda"` (optimizer construction and step, the pipeline schedules).
 Both do nothing when CUDA is available (on GPU this backend runs plain megatron-core), but for one
 name megatron's MoE router needs whenever TransformerEngine is absent (_without_te_shims).
+Two contexts around checkpointing apply on every device and sit at the end: in_process_save_results
+(no multiprocessing Manager for a synchronous save) and adam_step_kept (a load fault with torch's
+Adam, which a GPU without TransformerEngine or Apex runs too).
 
 The shims, and why each exists (in megatron-core 0.16.1):
   1. RNG tracker: `model_parallel_cuda_manual_seed` uses torch.cuda RNG states, and every attention
@@ -28,8 +31,11 @@ The shims, and why each exists (in megatron-core 0.16.1):
  10. `cuda_to_cpu()`: a TorchFunctionMode rewriting device="cuda" (and `.cuda()`, `.to("cuda")`,
      `pin_memory`, `pin_memory=True`) to cpu, for FP32Optimizer and the schedules (there, context
      parallelism's rotary slicing, get_pos_emb_on_this_cp_rank, builds a pinned CUDA index).
-megatron's distributed optimizer cannot run on CPU (it checks tensor type strings):
-the engine uses the plain one there.
+ 11. Inside `cuda_to_cpu()` too: a CPU tensor's `.type()` names its CUDA type ('torch.FloatTensor'
+     reads 'torch.cuda.FloatTensor'). megatron's optimizers sort their parameters by these strings
+     (DistributedOptimizer and Float16OptimizerWithFloat16Params refuse any other: "Wrapped
+     parameters must be one of torch.cuda.FloatTensor, ..."), so the distributed optimizer and
+     bf16 run on CPU as on GPU. `.type(dtype)` (a conversion) is left alone.
 """
 
 from __future__ import annotations
@@ -159,6 +165,25 @@ def fallback_warnings_off():
         yield
 
 
+# megatron-core 0.16.1's notices while it trains, harmless and repeated every step: torch deprecates
+# the collectives its DDP buffers, distributed optimizer and MoE dispatch call, and its optimizer
+# reads `.grad` of the distributed optimizer's shard views (never populated, as it expects).
+_STEP_NOTICES = ((FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+                 (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"))
+
+
+@contextlib.contextmanager
+def step_notices_off():
+    """Around our calls into megatron's schedule and optimizer: those notices off (only those; the
+    warning filters are restored after the block, nothing process-wide)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        for category, notice in _STEP_NOTICES:
+            warnings.filterwarnings("ignore", message=notice, category=category)
+        yield
+
+
 _DTOH_FIELDS = (("input_splits", True), ("output_splits", True), ("output_splits_tp", True),
                 ("num_out_tokens", False), ("num_global_tokens_per_local_expert", False))
 
@@ -257,12 +282,16 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments to cpu for every torch function called inside it."""
+    """Rewrites CUDA device arguments to cpu for every torch function called inside it, and names a
+    CPU tensor's type as its CUDA one (shim 11)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # the type string, no conversion
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")
         if kwargs.get("pin_memory"):  # pinned memory needs CUDA (get_pos_emb_on_this_cp_rank's index)
@@ -297,3 +326,40 @@ def in_process_save_results():
         yield
     finally:
         filesystem_async._results_queue = previous
+
+
+@contextlib.contextmanager
+def adam_step_kept():
+    """Around a DistributedOptimizer's load_state_dict when its inner optimizer is torch's Adam (no
+    TransformerEngine or Apex: on CPU, and on a GPU without them): the step count stays out of the
+    per-parameter copies.
+
+    megatron-core 0.16.1's load sets torch's Adam "step" state from the checkpoint's param groups,
+    one tensor shared by every parameter (torch's Adam then adds 1 to it once per parameter and
+    step), then DistributedOptimizer._set_main_param_and_optimizer_states copies every state key of
+    a parameter from the checkpoint's tensors, which hold no "step" (KeyError 'step' on every load
+    in model space). The original runs with "step" set aside, and each parameter gets its own copy
+    of it back. Undone after the block."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step.clone()
+
+    cls._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original

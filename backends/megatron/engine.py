@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import warnings
 
 import torch
 import torch.distributed as torch_dist
@@ -29,14 +28,15 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
     from . import lora as megatron_lora
     from .config import check_layout, router_aux_experts, transformer_config
     from .inputs import model_inputs
-    from .value_model import build_value_model, te_available
+    from .value_model import build_value_model
 from ...common.parallel.batching import MicroBatch
 from ...common.storage.checkpoints import critic_fingerprint
-from ...common.engine.config import EngineConfig
+from ...common.engine.config import EngineConfig, compute_dtype
+from ...common.parallel import kernels
 from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
 from ...common.parallel.host_memory import large_allocations_returned
 from ...common.parallel.shard_state import recv_into, recv_rows, row_pieces, send_rows
-from ...common.engine import RolloutBatch, check_batch_inputs, shift_to_tokens
+from ...common.engine import RolloutBatch, check_batch_inputs, inputs_on_host, shift_to_tokens
 from ...common.learning.hl_gauss import head_values
 from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.engine.registry import check_engine_config
@@ -54,8 +54,6 @@ from ...common.valuehead.save import write_critic
 from ...common.valuehead.sliced import meta_critic, open_sliced
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_DEPRECATED_GATHER = r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. Please use " \
-                     r"`torch\.distributed\.all_gather_single` instead"
 
 
 def _router_logits(router, inputs, output) -> torch.Tensor:
@@ -147,13 +145,13 @@ class MegatronCriticEngine(Offloadable):
         self.last_stage = parallel_state.is_pipeline_last_stage()
 
         self.tf_config = transformer_config(self.hf_config, config, cpu=compat.cpu_mode())
-        use_te = te_available()
-        if use_te and config.parallel.context > 1:
-            # TE's attention takes megatron's own CP (cp_comm_type); this engine's layout (inputs.py)
-            # is meant to match it but is untested there, so it is refused rather than guessed.
-            raise ValueError(f"engine.parallel.context={config.parallel.context} runs on the local layer spec "
-                             f"(attention.py), not with TransformerEngine: set engine.parallel.context=1, or run "
-                             f"without transformer_engine installed")
+        # The layer spec (common.parallel.kernels): TransformerEngine's only on CUDA, in bf16, on
+        # packed rows and without context parallelism (this engine's CP layout is the local spec's).
+        self.spec = kernels.megatron_spec(compute_dtype=compute_dtype(config), packed=config.batching.packing,
+                                          context=config.parallel.context, have=kernels.installed())
+        use_te = self.spec.kernel == "te"
+        attention = "TransformerEngine's" if use_te else "per-sequence sdpa (backends/megatron/attention.py)"
+        self.load_report = dataclasses.replace(self.load_report, kernels=f"layer spec {self.spec}; attention {attention}")
         tp = config.parallel.tensor
         shapes = convert.Shapes.of(self.hf_config, tp)
         per_stage = self.hf_config.num_hidden_layers // config.parallel.pipeline
@@ -184,7 +182,8 @@ class MegatronCriticEngine(Offloadable):
         model.to(dist.device)
         if self.traits.moe is not None:
             parallelize.mark_expert_parameters(model)
-        self.model = parallelize.wrap_ddp(model, self.tf_config)
+        self.model = parallelize.wrap_ddp(model, self.tf_config,
+                                          distributed_optimizer=config.optim.distributed_optimizer)
         bf16 = self.tf_config.bf16
         self.optimizer = parallelize.build_optimizer(self.model, config.optim, bf16)
         self.scheduler = parallelize.LRSchedule(self.optimizer, config.optim)
@@ -210,19 +209,23 @@ class MegatronCriticEngine(Offloadable):
                        packed_seq_params=inputs.packed_seq_params)
         return output, functools.partial(loss_fn, mb, inputs)
 
-    def _run(self, micro_batches: list[MicroBatch], loss_fn, *, forward_only: bool) -> None:
-        """Megatron's schedule (1F1B when pipeline > 1) over the micro-batches."""
+    def _run(self, micro_batches: list[MicroBatch], loss_fn, *, forward_only: bool, finalize: bool = True) -> None:
+        """Megatron's schedule (1F1B when pipeline > 1) over the micro-batches. `finalize`: the schedule
+        ends by reducing the gradients (finalize_model_grads); False leaves them local for a later
+        reduction (step_optimizer)."""
         longest = max(mb.input_ids.shape[1] for mb in micro_batches)
-        with compat.cuda_to_cpu(), warnings.catch_warnings():
-            # megatron-core 0.16.1's MoE token dispatch (and the sequence-parallel gathers) call
-            # torch.distributed.all_gather_into_tensor, which torch deprecates: that one notice off,
-            # here only (the filters are restored after the block).
-            warnings.filterwarnings("ignore", message=_DEPRECATED_GATHER, category=FutureWarning)
-            get_forward_backward_func()(
-                forward_step_func=functools.partial(self._forward_step, loss_fn),
-                data_iterator=iter(micro_batches), model=[self.model], num_microbatches=len(micro_batches),
-                seq_length=longest, micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
-                forward_only=forward_only)
+        finalize_func = self.tf_config.finalize_model_grads_func  # the schedule reads it from the config
+        if not finalize:
+            self.tf_config.finalize_model_grads_func = None
+        try:
+            with compat.cuda_to_cpu(), compat.step_notices_off():
+                get_forward_backward_func()(
+                    forward_step_func=functools.partial(self._forward_step, loss_fn),
+                    data_iterator=iter(micro_batches), model=[self.model], num_microbatches=len(micro_batches),
+                    seq_length=longest, micro_batch_size=max(mb.input_ids.shape[0] for mb in micro_batches),
+                    forward_only=forward_only)
+        finally:
+            self.tf_config.finalize_model_grads_func = finalize_func
 
     def _share_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every pipeline stage gets the last stage's tensor (same shape everywhere)."""
@@ -233,6 +236,8 @@ class MegatronCriticEngine(Offloadable):
 
     # -- offload (common.engine.offload): parameters, DDP's grad buffers, the optimizer's state -------
     def _offload_tensors(self) -> dict[str, list[torch.Tensor]]:
+        # With the distributed optimizer each parameter is a view of DDP's contiguous parameter buffer
+        # (one per dtype; an fp32 optimizer's shards are views of it too, so they count as the model's).
         params = list(self.model.parameters())
         # main_grad: a view of DDP's contiguous grad buffer (the whole buffer goes with it)
         grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
@@ -244,6 +249,7 @@ class MegatronCriticEngine(Offloadable):
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
     @needs_resident("model")
+    @inputs_on_host
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size,
@@ -260,6 +266,7 @@ class MegatronCriticEngine(Offloadable):
         self._run(self._micro_batches(input_ids, attention_mask, forward_only=True), collect, forward_only=True)
         return self._share_from_last_stage(out)
 
+    @inputs_on_host
     def accumulate_gradients(self, batch: RolloutBatch) -> StepStats:
         """Forward/backward of this rank's micro-batches through megatron's schedule, gradients
         finalised (data-parallel all-reduce etc.); returns the step's statistics (zero off the last
@@ -268,7 +275,9 @@ class MegatronCriticEngine(Offloadable):
                            group=self.parallel.world_group)
         self.model.train()
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with compat.step_notices_off():
+            self.optimizer.zero_grad()
+        self._accumulating = False  # forward_backward's gradients, if any, are dropped with the buffer
         device = self.dist.device
         # Normalise over the whole mini-batch: every data-parallel share (TP/PP peers hold copies).
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
@@ -298,6 +307,7 @@ class MegatronCriticEngine(Offloadable):
         return stats
 
     @needs_resident(*KINDS)
+    @inputs_on_host
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch; returns the metrics of
         common.engine.update_step.METRICS over all data-parallel shares."""
@@ -310,25 +320,25 @@ class MegatronCriticEngine(Offloadable):
         return self.parallel.reports_outputs
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
+    @inputs_on_host
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """common.engine.fsdp2_core.FSDP2Engine.forward_backward's contract through megatron's schedule: one
         micro-batch of these rows; loss_fn(values [B, T] float32, unshifted, with gradients) on the
         last pipeline stage, backpropagated as it is (DDP averages gradients over the data-parallel
-        ranks). Returns (values, the loss or None) on every rank (tensor and pipeline peers too)."""
+        ranks). Returns (values, the loss or None) on every rank (tensor and pipeline peers too).
+        The calls before a step_optimizer add up their gradients locally, and step_optimizer reduces
+        them once (megatron's finalize_model_grads, as its schedule does at the end of a step): a
+        reduction per call would count earlier calls again wherever it is not an average of equal
+        values (the distributed optimizer's reduce-scatter, the sequence-parallel norms' sum)."""
         train = loss_fn is not None
         require_resident(self, KINDS if train else ("model",), "forward_backward")
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.parallel.world_group)
         self.model.train(train)
-        if train and self._accumulating and self.config.parallel.sequence_parallel:
-            # Each schedule run finalises the gradient buffer; under sequence parallelism that sums
-            # the norm weights' gradients over the tensor group, and a second run would sum the
-            # first run's part again.
-            raise ValueError("forward_backward with engine.parallel.sequence_parallel=true takes one call per "
-                             "optimizer step: pass the whole mini-batch at once, or turn sequence_parallel off")
         if train and not self._accumulating:
             self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
+            with compat.step_notices_off():
+                self.optimizer.zero_grad()
         self._accumulating = self._accumulating or train
         micro_batches = [whole_micro_batch(input_ids, attention_mask, self.config.batching,
                                            group=self.parallel.world_group)]
@@ -347,7 +357,7 @@ class MegatronCriticEngine(Offloadable):
             loss_out.copy_(loss.detach().float().cpu().reshape(1))
             return loss * len(micro_batches), {}  # the schedule divides by the micro-batch count
 
-        self._run(micro_batches, closure, forward_only=not train)
+        self._run(micro_batches, closure, forward_only=not train, finalize=False)
         self._share_from_last_stage(values)
         self._share_from_last_stage(loss_out)
         return values, loss_out[0] if train else None
@@ -359,24 +369,30 @@ class MegatronCriticEngine(Offloadable):
     @needs_resident(*KINDS)
     def step_optimizer(self) -> float:
         """megatron's optimizer step on the accumulated gradients (clipping included); returns the
-        gradient norm before clipping. The LR schedule is stepped apart."""
-        with compat.cuda_to_cpu():
+        gradient norm before clipping. The LR schedule is stepped apart. forward_backward's
+        gradients are reduced over the ranks here, once for all its calls."""
+        with compat.cuda_to_cpu(), compat.step_notices_off():
+            if self._accumulating:
+                self.tf_config.finalize_model_grads_func([self.model])
             _, grad_norm, _ = self.optimizer.step()
-        self.optimizer.zero_grad()
+            self.optimizer.zero_grad()
         self._accumulating = False
         return float(grad_norm)
 
     def checkpoint_bytes(self) -> int:
-        """About how many bytes save_checkpoint writes (all ranks): fp32 weights and Adam's two
-        moments of one data-parallel replica (the trainable ones only, with LoRA), plus 1 MiB."""
+        """About how many bytes save_checkpoint writes (all ranks): the weights of one data-parallel
+        replica (the trainable ones only, with LoRA) in their dtype, Adam's two fp32 moments of each,
+        and the optimizer's fp32 copy of each where it saves one (the distributed optimizer always,
+        the plain one for bf16 weights), plus 1 MiB."""
         # A tensor-parallel shard counts on its rank, a replicated tensor once (on tensor rank 0).
         # An expert's tensors count on the expert-data-parallel rank 0 of its expert rank (megatron
         # marks them allreduce=False), the others on data and context rank 0.
         params = [p for p in self.model.parameters() if (p.requires_grad or not self.transforms)
                   and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)]
         dense_owner, expert_owner = self.dp_rank == 0 and self.cp_rank == 0, self.holds_state
-        local = 3 * sum(p.numel() * 4 for p in params
-                        if (expert_owner if not getattr(p, "allreduce", True) else dense_owner))
+        fp32_copy = self.config.optim.distributed_optimizer
+        local = sum(p.numel() * (p.element_size() + 8 + (4 if fp32_copy or p.dtype != torch.float32 else 0))
+                    for p in params if (expert_owner if not getattr(p, "allreduce", True) else dense_owner))
         (total,) = all_reduce([float(local)], group=self.parallel.world_group)
         return int(total) + 2**20
 

@@ -10,8 +10,10 @@
      Its all-reduce spans data x context parallel and averages (1 / (dp * cp)): each context-parallel
      rank holds the gradient of its own tokens only, and the schedule multiplies every loss by the
      context-parallel degree, so the average of those is their sum, the whole gradient.
-  3. build_optimizer: megatron's Adam with global grad-norm clipping across TP/PP ranks; its
-     distributed optimizer on GPU (it cannot run on CPU, see compat.py).
+  3. build_optimizer: megatron's Adam with global grad-norm clipping across TP/PP ranks; by default
+     its distributed optimizer (engine.optim.distributed_optimizer: each data-parallel rank steps
+     its share of the fp32 main weights, gradients reduce-scattered into DDP's contiguous buffer and
+     the parameters all-gathered back after the step), on CPU as on GPU (compat.py, shim 11).
 """
 
 from __future__ import annotations
@@ -209,10 +211,13 @@ def mark_expert_parameters(model: torch.nn.Module) -> None:
             param.allreduce = False
 
 
-def wrap_ddp(model: torch.nn.Module, tf_config) -> DistributedDataParallel:
-    """Megatron DDP; the schedules call finalize_model_grads (DP all-reduce, SP norm all-reduce)."""
+def wrap_ddp(model: torch.nn.Module, tf_config, *, distributed_optimizer: bool) -> DistributedDataParallel:
+    """Megatron DDP; the schedules call finalize_model_grads (DP all-reduce, or reduce-scatter for the
+    distributed optimizer; SP norm all-reduce). With the distributed optimizer, every parameter
+    becomes a view of one contiguous buffer per dtype (what the optimizer's shards and the
+    all-gather after each step use)."""
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=not compat.cpu_mode())
+                                               use_distributed_optimizer=distributed_optimizer)
     tf_config.finalize_model_grads_func = finalize_model_grads
     with compat.cuda_to_cpu():
         return DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
@@ -220,6 +225,8 @@ def wrap_ddp(model: torch.nn.Module, tf_config) -> DistributedDataParallel:
 
 def build_optimizer(ddp_model: DistributedDataParallel, optim: OptimConfig, bf16: bool):
     """Megatron's Adam (AdamW form) over the model; grad clipping by the global norm (all TP/PP shards).
+    optim.distributed_optimizer: megatron's DistributedOptimizer (the DDP wrapper must agree, wrap_ddp);
+    bf16: fp32 main weights for the bf16 parameters.
 
     Megatron applies no weight decay to biases and norm weights (1-D parameters)."""
     config = OptimizerConfig(
@@ -232,7 +239,7 @@ def build_optimizer(ddp_model: DistributedDataParallel, optim: OptimConfig, bf16
         clip_grad=optim.grad_clip if optim.grad_clip is not None else _NO_CLIP,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=not compat.cpu_mode(),
+        use_distributed_optimizer=optim.distributed_optimizer,
     )
     with compat.cuda_to_cpu():
         return get_megatron_optimizer(config, [ddp_model])

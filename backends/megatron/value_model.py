@@ -8,7 +8,6 @@ PackedCoreAttention (attention.py) as the core attention.
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +27,6 @@ from .attention import PackedCoreAttention
 from .config import FamilyTraits, rope_theta
 
 
-def te_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
 class CriticRMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm built from megatron's norm arguments. Under sequence parallelism its weight sees
     only this rank's part of the sequence, so it is tagged for megatron's tensor-parallel grad
@@ -45,23 +40,30 @@ class CriticRMSNorm(torch.nn.RMSNorm):
 
 
 class ValueHead(torch.nn.Module):
-    """Replicated hidden -> `outputs` linear in fp32 (1 for a scalar critic, num_bins for HL-Gauss:
-    the engine turns bin logits into values); under sequence parallelism it runs on this rank's part
-    of the sequence and the outputs are gathered (each rank then holds the whole [s, b, outputs]).
-    Its tensors are `output_layer.weight` [outputs, H] and `output_layer.bias` [outputs]: the names
-    GPTModel's sharded_state_dict (dist_checkpointing) expects of an output layer."""
+    """Replicated hidden -> `outputs` linear computed in fp32 (1 for a scalar critic, num_bins for
+    HL-Gauss: the engine turns bin logits into values); under sequence parallelism it runs on this
+    rank's part of the sequence and the outputs are gathered (each rank then holds the whole
+    [s, b, outputs]). Its tensors are `output_layer.weight` [outputs, H] and `output_layer.bias`
+    [outputs]: the names GPTModel's sharded_state_dict (dist_checkpointing) expects of an output layer.
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool, outputs: int = 1):
+    Its parameters have the model's dtype (`dtype`, bf16 under engine.mixed_precision=bf16; the
+    optimizer keeps fp32 main copies of them): megatron-core 0.16.1's optimizers assume one dtype
+    per parameter group, and an fp32 parameter among bf16 ones gets another's state in their
+    checkpoints (DistributedOptimizer orders a group's shards fp32 first, its checkpoint index does
+    not; Float16OptimizerWithFloat16Params maps only the 16-bit ones)."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, outputs: int = 1,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(outputs, hidden_size, dtype=torch.float32))
-        self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=torch.float32))
+        self.weight = torch.nn.Parameter(torch.zeros(outputs, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=dtype))
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             for param in self.parameters():
                 param.sequence_parallel = True
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
-        values = F.linear(hidden.float(), self.weight, self.bias)  # (s, b, outputs)
+        values = F.linear(hidden.float(), self.weight.float(), self.bias.float())  # (s, b, outputs)
         if self.sequence_parallel:
             # The loss is computed whole on every tensor-parallel rank, so the gradient of this
             # rank's part is just its slice (no reduce-scatter).
@@ -147,5 +149,6 @@ def build_value_model(hf_config, tf_config, traits: FamilyTraits, *, pre_process
         rotary_base=rope_theta(hf_config),
     )
     if post_process:
-        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, outputs=hf_config.num_labels)
+        model.output_layer = ValueHead(tf_config.hidden_size, tf_config.sequence_parallel, outputs=hf_config.num_labels,
+                                       dtype=tf_config.params_dtype)
     return model

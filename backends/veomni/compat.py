@@ -6,7 +6,8 @@ Nothing here patches VeOmni or torch: each workaround is a choice of arguments o
 VeOmni's own logic done for it.
 
   1. Kernels: `OpsImplementationConfig()` defaults to triton / liger / flash-attention and raises on
-     a machine without them; there is no CPU fallback. `ops_implementation()` asks for eager kernels.
+     a machine without them (on GPU too, when liger-kernel is not installed). `ops_implementation()`
+     asks for eager kernels, or liger's where common.parallel.kernels.veomni_ops chooses them.
   2. Process group: VeOmni's `get_dist_comm_backend()` has no gloo branch;
      the engine joins the group common.parallel.distributed made (gloo on CPU) before VeOmni is called, and
      VeOmni never creates one itself on this path.
@@ -38,18 +39,25 @@ _EAGER_KERNELS = ("moe_implementation", "cross_entropy_loss_implementation", "rm
                   "chunk_gated_delta_rule_implementation")
 
 
-def ops_implementation(attn_implementation: str):
-    """VeOmni's kernel selection for this machine: all eager on CPU; VeOmni's defaults on GPU.
+# The kernels liger-kernel provides, when common.parallel.kernels.veomni_ops chooses it (CUDA with
+# liger_kernel installed); every other kernel stays eager, as on CPU.
+_LIGER_KERNELS = ("rms_norm_implementation", "swiglu_mlp_implementation", "rotary_pos_emb_implementation")
+
+
+def ops_implementation(attn_implementation: str, fused: str = "eager"):
+    """VeOmni's kernel selection: every kernel eager, or (`fused` "liger", the kernel policy's
+    veomni_ops) liger-kernel's RMSNorm, SwiGLU and rotary. Never VeOmni's own defaults: they name
+    liger / triton / fla kernels that raise when those packages are absent.
 
     `attn_implementation` is set after construction: VeOmni's __post_init__ validates only its own
     names, and ours (critic_packed_attention) is registered with transformers' AttentionInterface.
     """
     from veomni.arguments.arguments_types import OpsImplementationConfig
 
-    if cpu_mode():
-        ops = OpsImplementationConfig(attn_implementation="sdpa", **{name: "eager" for name in _EAGER_KERNELS})
-    else:
-        ops = OpsImplementationConfig(attn_implementation="sdpa")
+    kernels = {name: "eager" for name in _EAGER_KERNELS}
+    if fused == "liger":
+        kernels.update({name: "liger_kernel" for name in _LIGER_KERNELS})
+    ops = OpsImplementationConfig(attn_implementation="sdpa", **kernels)
     ops.attn_implementation = attn_implementation
     return ops
 

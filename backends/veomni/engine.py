@@ -27,7 +27,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import parallelize, value_model
 from .quiet import veomni_output
+from ...common.engine.config import compute_dtype
 from ...common.engine.fsdp2_core import DTYPES, FSDP2Engine, attention_for, quiet_fsdp_views
+from ...common.parallel import kernels
 from ...common.engine.mesh import ParallelMesh, build_mesh
 from ...common.engine.pipeline import build_sharded, engine_transforms
 from ...common.valuehead.config import install_value_head
@@ -95,12 +97,16 @@ class VeOmniCriticEngine(FSDP2Engine):
                            fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
                            value_head=self.config.loss.support, init_from_scalar_head=model_cfg.init_from_scalar_head)
         device = self.dist.device
-        attn = attention_for(self.config, padded="sdpa")
+        # VeOmni applies bf16 mixed precision only through FSDP2 (with 2+ shard ranks; parallelize.py).
+        attention = attention_for(self.config, self.hf_config, compute_dtype(self.config, mixed_precision_applies=fsdp))
+        attn = attention.kernel
+        ops = kernels.veomni_ops(have=kernels.installed())
 
         def build_tree(report):  # VeOmni's own build: on meta when sharded, at random (overwritten) with one rank
             with self._veomni_build():
                 model = value_model.build_critic(self.hf_config, weights_path=None, dtype=model_cfg.dtype,
-                                                 attn_implementation=attn, init_device="meta" if fsdp else device.type)
+                                                 attn_implementation=attn, init_device="meta" if fsdp else device.type,
+                                                 fused_ops=ops.kernel)
             value_model.check_class(model, self.hf_config)
             return install_value_head(model)
 
@@ -117,6 +123,7 @@ class VeOmniCriticEngine(FSDP2Engine):
             value_model.check_probe_output(model, self.hf_config, device, sp_group=self.sp_group)
         reshard(model)
         report.attn_implementation = model.config._attn_implementation
+        report.kernels = f"attention {attention}; VeOmni ops {ops}"
         return model.eval(), report
 
     # -- hooks of the FSDP2 core ---------------------------------------------------------------------

@@ -72,7 +72,7 @@ def check_layout(model_config, engine_config, world_size: int) -> None:
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,
-                 init_device: str) -> torch.nn.Module:
+                 init_device: str, fused_ops: str = "eager") -> torch.nn.Module:
     """VeOmni's build_foundation_model on the critic config (a copy: VeOmni writes into it).
 
     VeOmni installs its loss wrappers into transformers' LOSS_MAPPING (cross_entropy/__init__.py:
@@ -89,7 +89,7 @@ def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_imple
     try:
         return build_foundation_model(config_path=copy.deepcopy(critic_cfg), weights_path=weights_path,
                                       torch_dtype=dtype, init_device=init_device,
-                                      ops_implementation=compat.ops_implementation(attn_implementation))
+                                      ops_implementation=compat.ops_implementation(attn_implementation, fused_ops))
     finally:
         LOSS_MAPPING.clear()
         LOSS_MAPPING.update(saved_losses)

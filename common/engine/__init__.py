@@ -50,6 +50,7 @@ Importing this package imports no backend (common/engine/registry.py imports one
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import torch
@@ -123,7 +124,8 @@ class CriticEngine(Protocol):
         RolloutBatch.old_values holds) is entry t - 1: shift_to_tokens(values) does that shift.
 
         input_ids: int64 [B, T]; attention_mask: [B, T] of 0/1 (right- or left-padded; padding
-        positions come back as 0.0)."""
+        positions come back as 0.0). The inputs of every method may be on any device (the engine
+        takes them to the CPU first: inputs_on_host)."""
         ...
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -194,10 +196,12 @@ class CriticEngine(Protocol):
 
     def offload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
         """Collective: free these parts' storages on the compute device (the storage, not a
-        reference), holding their bytes in host memory (pinned on CUDA); a part offloaded already
-        stays so. Nothing onloads silently: a call that needs an offloaded part raises, naming it.
-        save_checkpoint, load_checkpoint, export_hf and export_adapter onload around themselves and
-        offload the same parts again after."""
+        reference), holding their bytes in host memory (pinned on CUDA, one buffer per storage
+        reused by every offload); on CUDA the freed memory goes back to the driver for other
+        processes (torch.cuda.empty_cache). A part offloaded already stays so. Nothing onloads
+        silently: a call that needs an offloaded part raises, naming it. save_checkpoint,
+        load_checkpoint, export_hf and export_adapter onload around themselves and offload the
+        same parts again after."""
         ...
 
     def onload(self, model: bool = True, optimizer: bool = True, grads: bool = True) -> None:
@@ -254,3 +258,22 @@ def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                          f"fix the rollout data (no update was made)")
 
 
+def inputs_on_host(method):
+    """Engine method decorator: every tensor argument, and every tensor of a RolloutBatch argument,
+    on the CPU before the call (a CPU tensor is passed as it is). A host may pass them on any device
+    (verl moves its micro-batches to the GPU first); the checks, the batching (packing, the
+    micro-batches' row indices) and the loss's targets are laid out on the host, and each
+    micro-batch's inputs go to the compute device when it runs."""
+    @functools.wraps(method)
+    def moved(self, *args, **kwargs):
+        return method(self, *map(_on_host, args), **{name: _on_host(value) for name, value in kwargs.items()})
+    return moved
+
+
+def _on_host(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, RolloutBatch) and any(getattr(value, f.name).device.type != "cpu"
+                                               for f in dataclasses.fields(value)):
+        return RolloutBatch(*(getattr(value, f.name).cpu() for f in dataclasses.fields(value)))
+    return value

@@ -63,6 +63,12 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     total_steps: int | None = None
     """Optimizer steps the cosine schedule spans; the trainer fills it in from the data when None."""
+    distributed_optimizer: bool = True
+    """The optimizer state (fp32 main weights, Adam's moments) sharded over the data-parallel ranks.
+    fsdp and veomni always shard it (FSDP2 shards it with the parameters); megatron runs its
+    DistributedOptimizer, or with false its plain optimizer, replicated on every data-parallel rank
+    (false is megatron's knob: the other backends refuse it, common/engine/registry.py). A megatron
+    checkpoint resumes only with the setting that wrote it."""
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -246,6 +252,17 @@ class ParallelConfig:
         return " x ".join([*named, f"data parallel {data}"]) + hsdp + expert
 
 
+def compute_dtype(engine: "EngineConfig", *, mixed_precision_applies: bool = True):
+    """The torch dtype the critic's matmuls and attention run in: bf16 with bf16 parameters, or
+    under bf16 mixed precision where the engine applies it (`mixed_precision_applies`), else fp32
+    (what common.parallel.kernels chooses kernels by)."""
+    import torch
+
+    if engine.model.dtype == "bfloat16" or (engine.mixed_precision == "bf16" and mixed_precision_applies):
+        return torch.bfloat16
+    return torch.float32
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -297,12 +314,14 @@ class EngineConfig:
     mixed_precision: str = "none"
     """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 values. The fsdp
     backend keeps the head in fp32; VeOmni applies one policy to every FSDP unit, so its head runs
-    in bf16 (values are cast to fp32 after it)."""
+    in bf16 (values are cast to fp32 after it); megatron holds every parameter in bf16 (its
+    optimizer keeps fp32 main weights) and computes the head in fp32."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
     cpu_offload: bool = False
-    """Keep sharded parameters and optimizer state in CPU memory (GPU runs; ignored, with a warning, on CPU,
-    and by veomni with one rank, where it does not shard)."""
+    """Keep sharded parameters and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy). fsdp
+    applies it on every device (on CPU the same code runs and nothing moves); veomni ignores it,
+    with a warning, on CPU and with one rank, where it does not shard."""
     transforms: list[str] = dataclasses.field(default_factory=list)
     """Model transforms applied between loading the critic and parallelising it, in order
     (common/engine/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""
@@ -594,6 +613,9 @@ CHANGEABLE_ON_RESUME = frozenset({
     # run at EP1 or plain FSDP), and the data-parallel degree already changes with --nproc.
     "engine.parallel.tensor", "engine.parallel.pipeline", "engine.parallel.sequence_parallel",
     "engine.parallel.context", "engine.parallel.ulysses", "engine.parallel.replicate", "engine.parallel.expert",
+    # Both optimizers take the same steps; a megatron checkpoint names the one that wrote it, and a
+    # load into the other is refused by this key (runs saved before the key existed: set it false).
+    "engine.optim.distributed_optimizer",
 })
 
 

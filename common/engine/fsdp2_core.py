@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..parallel import packed_attention, ulysses
+from ..parallel import kernels, packed_attention, ulysses, varlen_attention
 from ..parallel.batching import MicroBatch
 from ..storage.checkpoints import (
     check_meta,
@@ -49,7 +49,7 @@ from ..storage.checkpoints import (
 )
 from .config import EngineConfig
 from ..parallel.distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
-from . import RolloutBatch, check_batch_inputs, shift_to_tokens
+from . import RolloutBatch, check_batch_inputs, inputs_on_host, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from .registry import check_engine_config
@@ -61,7 +61,7 @@ from . import router_aux
 from .update_step import StepStats, one_update, plan_step, step_micro_batches, whole_micro_batch
 from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
 from ..valuehead.save import write_critic
-from ..valuehead.attention import flash_attention_available
+from ..valuehead.config import critic_class
 from ..valuehead.values import compute_bin_logits, compute_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,18 +72,29 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def attention_for(config: EngineConfig, padded: str | None = None) -> str | None:
-    """Ulysses (engine.parallel.ulysses > 1) takes our Ulysses attention, packed or padded; else the
-    explicit choice wins; packed rows use varlen flash-attention, else our per-sequence attention;
-    padded rows `padded` (None: transformers' default)."""
+def attention_for(config: EngineConfig, critic_config, dtype: torch.dtype,
+                  have: kernels.Installed | None = None) -> kernels.Choice:
+    """The attention of an FSDP2-based engine (common.parallel.kernels decides): Ulysses
+    (engine.parallel.ulysses > 1) takes our Ulysses attention, packed or padded; else an explicit
+    engine.model.attn_implementation wins (a flash kernel in fp32 is refused by name); else the
+    policy's choice for packed or padded rows computed in `dtype`. The attentions of our own are
+    registered with transformers."""
     if config.parallel.ulysses > 1:
         ulysses.check_attention(config)
-        return ulysses.register()
+        return kernels.Choice(ulysses.register(), f"Ulysses {config.parallel.ulysses}: heads split across ranks")
     if config.model.attn_implementation is not None:
-        return config.model.attn_implementation
-    if config.batching.packing:
-        return "flash_attention_2" if flash_attention_available() else packed_attention.register()
-    return padded
+        kernels.check_explicit_attention(config.model.attn_implementation, dtype)
+        return kernels.Choice(config.model.attn_implementation, "engine.model.attn_implementation")
+    critic_cls = critic_class(critic_config)
+    text = critic_config.get_text_config()
+    choice = kernels.attention(compute_dtype=dtype, packed=config.batching.packing, have=have or kernels.installed(),
+                               flash_capable=critic_cls._supports_flash_attn, sdpa_capable=critic_cls._supports_sdpa,
+                               softcap=getattr(text, "attn_logit_softcapping", None) is not None)
+    if choice.kernel == kernels.PACKED_SDPA:
+        packed_attention.register()
+    elif choice.kernel == kernels.TORCH_VARLEN:
+        varlen_attention.register()
+    return choice
 
 
 @contextlib.contextmanager
@@ -202,6 +213,7 @@ class FSDP2Engine(Offloadable):
     # -- the engine API ------------------------------------------------------------------------------
     @torch.no_grad()
     @needs_resident("model")
+    @inputs_on_host
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
@@ -214,6 +226,7 @@ class FSDP2Engine(Offloadable):
         self._settle()
         return out
 
+    @inputs_on_host
     def accumulate_gradients(self, batch: RolloutBatch) -> StepStats:
         """Forward/backward over this rank's micro-batches (the first half of update). Gradients are
         those of the global mini-batch loss; returns the step's statistics (not yet reduced)."""
@@ -241,12 +254,14 @@ class FSDP2Engine(Offloadable):
         return stats
 
     @needs_resident(*KINDS)
+    @inputs_on_host
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns the metrics of
         common.engine.update_step.METRICS over the data-parallel group."""
         return one_update(self, batch, dp_group=self.dp_group)
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
+    @inputs_on_host
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward (and backward) over these rows as a single packed micro-batch: the caller

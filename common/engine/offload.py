@@ -8,6 +8,16 @@ optimizer's state keep pointing at them, so nothing is re-wrapped and the conten
 for bit. On a CPU machine the same code runs: the engine's storages go to 0 bytes and the host copy
 is a separate allocation.
 
+Memory, on CUDA: a storage resized to 0 returns its blocks to torch's caching allocator, which keeps
+them reserved for this process; offload then empties that cache (release_cached_device_memory), or
+another process (the actor, the rollout engine) would see no free memory (verl does the same after
+every offload). Each storage's host buffer is allocated at its first offload and reused by every
+later one, until the engine closes (StorageOffload.drop) or the storage is no longer one of the
+engine's: pinned memory goes through torch's caching host allocator, which never returns it, so a
+fresh buffer per offload would leave up to twice the state pinned for the life of the process. (On
+CPU the buffers are a second copy of the state between offloads: CPU offload frees nothing for
+another process anyway.)
+
 Nothing onloads silently (two models awake at once is what offloading is for avoiding): a method
 that needs what is offloaded raises, naming it. Checkpoints and exports work in either state: they
 onload around themselves and offload the same parts again after.
@@ -29,11 +39,24 @@ from ..parallel.distributed import one_outcome
 KINDS = ("model", "grads", "optimizer")
 
 
+def release_cached_device_memory() -> None:
+    """Return the CUDA blocks torch's caching allocator holds unused to the driver, for other
+    processes: called after an offload that freed CUDA storages (a test patches it)."""
+    torch.cuda.empty_cache()
+
+
+def _host_buffer(nbytes: int, *, pinned: bool) -> torch.UntypedStorage:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+
+
 class StorageOffload:
-    """Host copies of storages whose device memory is freed, by kind."""
+    """Host copies of storages whose device memory is freed, by kind, in one reusable host buffer
+    per storage."""
 
     def __init__(self):
         self._held: dict[str, list[tuple[torch.UntypedStorage, torch.UntypedStorage]]] = {}
+        self._buffers: dict[int, torch.UntypedStorage] = {}
+        """The host buffer of each storage offloaded so far (by its _cdata), kept for the next offload."""
 
     @property
     def offloaded(self) -> frozenset[str]:
@@ -66,20 +89,34 @@ class StorageOffload:
         else:
             _refuse_fixed_storages(tensors_by_kind, wanted)
         by_kind = self.storages(tensors_by_kind)
+        current = {storage._cdata for storages in by_kind.values() for storage in storages}
+        self._buffers = {key: host for key, host in self._buffers.items() if key in current}  # storages gone
+        freed_cuda = False
         for kind in wanted:
             held = []
             for storage in by_kind[kind]:
                 if not storage.nbytes():  # freed already (an FSDP2 all-gather buffer after reshard)
                     continue
-                pin = storage.device.type == "cuda"
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
-                host.copy_(storage, non_blocking=pin)
+                host = self._host_for(storage)
+                host.copy_(storage, non_blocking=host.is_pinned())
                 held.append((storage, host))
             if any(storage.device.type == "cuda" for storage, _ in held):
                 torch.cuda.synchronize()  # the host copies are whole before the device storages go
+                freed_cuda = True
             for storage, _ in held:
                 storage.resize_(0)
             self._held[kind] = held
+        if freed_cuda:
+            release_cached_device_memory()
+
+    def _host_for(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """`storage`'s host buffer: the one of its last offload (onload synchronised its copy
+        back), or a new one (pinned for a CUDA storage) at its first offload or when its size changed."""
+        host = self._buffers.get(storage._cdata)
+        if host is None or host.nbytes() != storage.nbytes():
+            host = self._buffers[storage._cdata] = _host_buffer(storage.nbytes(),
+                                                                pinned=storage.device.type == "cuda")
+        return host
 
     def onload(self, kinds=KINDS) -> frozenset[str]:
         """The offloaded storages of `kinds` back on their device, in place; returns the kinds that came back."""
@@ -94,8 +131,9 @@ class StorageOffload:
         return back
 
     def drop(self) -> None:
-        """Forget the host copies (the engine is closed)."""
+        """Forget the host copies and buffers (the engine is closed)."""
         self._held.clear()
+        self._buffers.clear()
 
     @staticmethod
     def resident_bytes(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:

@@ -97,11 +97,13 @@ def parameters_on_meta():
 def build_sharded(path: str, *, shard_group, shard_rank: int, device: torch.device, dtype: torch.dtype,
                   attn_implementation: str | None, load_kwargs: dict, transforms: list,
                   build_tree: Callable[[object], torch.nn.Module],
-                  parallelize: Callable[[torch.nn.Module], torch.nn.Module]):
+                  parallelize: Callable[[torch.nn.Module], torch.nn.Module], cpu_offload: bool = False):
     """(the critic, load_critic's report): the pipeline's load, transform and parallelise stages for
     an engine whose parameters are sharded over `shard_group` (fsdp, VeOmni). Every rank builds the
     critic's module tree (`build_tree(report)`: parameters on meta, buffers real), applies the
-    transforms, parallelises it and materialises its shards on `device`; then
+    transforms, parallelises it and materialises its shards on `device` (its parameters on the CPU
+    when `cpu_offload`: `parallelize` applied FSDP2's CPUOffloadPolicy, which keeps the shards in
+    host memory and refuses them anywhere else; the buffers stay on `device`, as torchtitan does); then
 
       - every rank reads from the checkpoint only the rows of its shards (common.valuehead.sliced),
         when the checkpoint allows it and every tensor of the transformed tree is one of the
@@ -130,7 +132,7 @@ def build_sharded(path: str, *, shard_group, shard_rank: int, device: torch.devi
     names |= {name for name, _ in tree.named_buffers(remove_duplicate=False)} - set(buffers)
     model = parallelize(tree)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        model.to_empty(device=device)
+        _materialise(model, device, parameters_on_cpu=cpu_offload)
     if not isinstance(sliced, str) and names <= set(sliced.shapes):
         unfilled = sorted(set(sliced.shapes) - names)
         if unfilled:  # as broadcast_state_into: a tensor the module lacks is an error, never dropped
@@ -142,6 +144,16 @@ def build_sharded(path: str, *, shard_group, shard_rank: int, device: torch.devi
         full_state, _ = load_on_first_rank(path, group=shard_group, rank=shard_rank, dtype=dtype,
                                            attn_implementation=attn_implementation, load_kwargs=load_kwargs,
                                            transform=transform)
-    broadcast_state_into(model, full_state, group=shard_group)
+    broadcast_state_into(model, full_state, group=shard_group, device=device)
     del full_state
     return model, report
+
+
+def _materialise(model: torch.nn.Module, device: torch.device, *, parameters_on_cpu: bool) -> None:
+    """Give a (parallelised) meta tree storage, uninitialised: on `device`, or with
+    `parameters_on_cpu` its parameters on the CPU and its buffers on `device`."""
+    model.to_empty(device="cpu" if parameters_on_cpu else device)
+    if parameters_on_cpu and torch.device(device).type != "cpu":
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)

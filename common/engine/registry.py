@@ -32,6 +32,7 @@ OPTIONAL_KNOBS: dict[str, object] = {
     "model.attn_implementation": None,
     "transforms": [],
     "lora.rank": 0,
+    "optim.distributed_optimizer": True,  # fsdp / veomni shard the optimizer always (FSDP2)
 }
 
 
@@ -98,7 +99,8 @@ BACKENDS: dict[str, BackendSpec] = {
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
         parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context", "expert"}),
-        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank"}),
+        knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank",
+                         "optim.distributed_optimizer"}),
         launcher=".backends.megatron.train",
         library_groups=".backends.megatron.mesh_groups:megatron_groups",
         families=".backends.megatron.config:SUPPORTED_FAMILIES",

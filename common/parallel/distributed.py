@@ -1,9 +1,11 @@
 """Process-group setup and the few collectives the engines and trainer need, passed around explicitly.
 
 Works the same under torchrun (env:// rendezvous) and in a plain single process (a world of one).
-On GPU the default group has two backends, `cpu:gloo,cuda:nccl` (as torchtitan sets it up): the
-few host-side numbers and objects exchanged here stay CPU tensors and go through gloo, while the
-model's collectives run on NCCL. Every collective names its group explicitly.
+On GPU the default group has two backends, `cpu:gloo,cuda:nccl` (as torchtitan and verl set it up):
+the few host-side numbers and objects exchanged here stay CPU tensors and go through gloo, while the
+model's collectives run on NCCL. Every group an engine makes inherits the default group's backends,
+so a host's default group without a CPU backend (`init_process_group("nccl")`) is refused by
+init_distributed, naming the fix. Every collective names its group explicitly.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def process_group_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _require_cpu_backend() -> None:
+    """ValueError naming the fix when the default group (a host's) has no backend for CPU tensors.
+    The CPU collectives here (float64 all_reduce, barrier) and megatron's pipeline broadcast of the
+    values run on the engine's groups, which new_group and DeviceMesh make with the default group's
+    backends: on an NCCL-only group each raises "No backend type associated with device type cpu"."""
+    config = dist.get_backend_config()  # "cpu:gloo,cuda:nccl"; "cuda:nccl" after init_process_group("nccl")
+    if "cpu" not in {pair.split(":")[0] for pair in config.split(",")}:
+        raise ValueError(f"the default process group has no backend for CPU tensors (backend {config!r}), and the "
+                         f"critic exchanges host-side numbers as CPU tensors on every group it makes: start it with "
+                         f"torch.distributed.init_process_group(\"{process_group_backend()}\"), or let "
+                         f"init_distributed() start it")
+
+
 @contextlib.contextmanager
 def groups_time_out_after(seconds: float | None):
     """Process groups created inside take `seconds` as their timeout where the creator passes none
@@ -68,9 +83,12 @@ def groups_time_out_after(seconds: float | None):
 def init_distributed(timeout_s: float | None = None) -> DistContext:
     """Join (or create) the default process group (see process_group_backend). `timeout_s`: how
     long a collective waits for a rank that never joins it (engine.collective_timeout_s; None:
-    torch's default) when this call creates the group."""
+    torch's default) when this call creates the group. A group the host started must have a
+    backend for CPU tensors (ValueError otherwise, naming the fix)."""
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        _require_cpu_backend()
+    else:
         # torch.distributed.nn.functional binds `group=group.WORLD` as a default argument when it
         # is imported: imported once the group exists (megatron and others do), it would hold the
         # default group for the life of the process (see _release_destroyed_groups). Imported now,

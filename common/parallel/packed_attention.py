@@ -5,7 +5,8 @@ sequences. flash-attention's varlen kernels do this on CUDA. Without them, trans
 a block-diagonal mask for sdpa, but that attends over the whole N x N row, wasting work that grows
 with the number of sequences packed together. This implementation runs sdpa with is_causal on each
 sequence's span instead (batched over spans of equal length), so the cost is sum(L_i^2) as for
-padded rows — with none of the padding.
+padded rows — with none of the padding. Grouped K/V heads go through common.parallel.sdpa, which
+repeats them where CUDA's fused kernels would not take them grouped (fp32, or a sliding-window mask).
 
 Where the sequences start is not left to each model family's plumbing: VLMs turn 2-D position ids
 into 3-D mrope positions and may pass the attention none at all, which once let every packed
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from .sdpa import repeat_kv, sdpa
 
 ATTENTION_NAME = "critic_packed_attention"
 
@@ -87,9 +90,7 @@ def _causal_window_mask(length: int, window: int | None, device) -> torch.Tensor
 
 def _softcapped_attention(q, k, v, span, scaling, window, softcap, dropout):
     """Attention with tanh logit soft-capping (gemma2), which sdpa cannot do: the eager math, per span."""
-    if k.shape[1] != q.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    k, v = repeat_kv(q, k, v)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
     scores = scores.masked_fill(~_causal_window_mask(span, window, q.device), float("-inf"))
@@ -115,17 +116,14 @@ def packed_attention(
     assert attention_mask is None, f"{ATTENTION_NAME} never receives a mask (see _refuse_padding_mask)"
     batch, _, length, _ = query.shape
     dropout = dropout if module.training else 0.0
-    gqa = key.shape[1] != query.shape[1]
 
     def attend(q, k, v, span):
         if softcap is not None:
             return _softcapped_attention(q, k, v, span, scaling, sliding_window, softcap, dropout)
         if sliding_window is not None and span > sliding_window:
             mask = _causal_window_mask(span, sliding_window, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                  enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
-                                              enable_gqa=gqa)
+            return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        return sdpa(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling)
 
     rows = []
     for b in range(batch):

@@ -31,10 +31,12 @@ def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def broadcast_state_into(model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None, *, group,
-                         src: int = 0) -> None:
+                         src: int = 0, device: torch.device | None = None) -> None:
     """Fill `model`'s parameters and buffers (sharded DTensors or plain tensors, materialised) from
     `full_state`, which the rank of index `src` in `group` holds (None elsewhere), tensor by tensor.
-    Every name of the module must be in full_state; an extra name in it is an error too."""
+    Every name of the module must be in full_state; an extra name in it is an error too.
+    `device`: where each full tensor travels (the group's device: CPU-offloaded shards are filled
+    from a broadcast on the GPU); None: each target's own device."""
     rank = torch_dist.get_rank(group)
     targets = _targets(model)
     if rank == src:
@@ -49,8 +51,9 @@ def broadcast_state_into(model: torch.nn.Module, full_state: dict[str, torch.Ten
         raise ValueError(holder[0])
     for name, target in targets.items():
         local = target.to_local() if isinstance(target, DTensor) else target
-        full = (full_state[name].to(device=local.device, dtype=local.dtype) if rank == src
-                else torch.empty(target.shape, dtype=local.dtype, device=local.device))
+        where = local.device if device is None else device
+        full = (full_state[name].to(device=where, dtype=local.dtype) if rank == src
+                else torch.empty(target.shape, dtype=local.dtype, device=where))
         torch_dist.broadcast(full, src=global_src, group=group)
         if isinstance(target, DTensor):  # this rank's part of the full tensor: no communication
             full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()

@@ -23,12 +23,12 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import packed_attention
 from .batching import MicroBatch
+from .sdpa import sdpa
 from .sequence_parallel import all_to_all, gather_sequence, group_rank, group_size, round_up
 
 ATTENTION_NAME = "critic_ulysses_attention"
@@ -133,7 +133,8 @@ def _replicate_kv(t: torch.Tensor, degree: int) -> torch.Tensor:
 
 
 def _padded_attention(query, key, value, key_mask, *, dropout, scaling, sliding_window, softcap):
-    """q (B, h, N, D), k/v (B, g, N, D) over whole padded rows -> (B, N, h, D)."""
+    """q (B, h, N, D), k/v (B, g, N, D) over whole padded rows -> (B, N, h, D). The boolean mask
+    keeps CUDA off flash, so grouped K/V heads are repeated there (common.parallel.sdpa)."""
     if softcap is not None:
         raise ValueError("Ulysses over padded rows does not take attention logit soft-capping (gemma2): pack the "
                          "rows (engine.batching.packing=true)")
@@ -145,8 +146,7 @@ def _padded_attention(query, key, value, key_mask, *, dropout, scaling, sliding_
     keep = allowed[None, None] & key_mask.to(query.device)[:, None, None, :]
     # A padded query may see nothing (NaN): let it see itself; its output is never read.
     keep = keep | torch.eye(length, dtype=torch.bool, device=query.device)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=keep, dropout_p=dropout, scale=scaling,
-                                         enable_gqa=key.shape[1] != query.shape[1])
+    out = sdpa(query, key, value, attn_mask=keep, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2)
 
 

@@ -71,6 +71,39 @@ def vocab_projection_watch(model: torch.nn.Module, vocab: int = VOCAB):
             handle.remove()
 
 
+def sdpa_calls_as_on_cuda(monkeypatch, on_cuda: bool = True) -> list[dict]:
+    """Every scaled_dot_product_attention call from here on, recorded (query/key/value head counts,
+    enable_gqa, whether a mask was passed, dtype) and run; with `on_cuda`, common.parallel.sdpa
+    chooses how to call it as it would for CUDA tensors (issue 41, item 8)."""
+    import torch.nn.functional as F
+
+    calls: list[dict] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append({"heads": (query.shape[-3], key.shape[-3], value.shape[-3]),
+                      "enable_gqa": kwargs.get("enable_gqa", False), "masked": kwargs.get("attn_mask") is not None,
+                      "dtype": query.dtype})
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    if on_cuda:
+        monkeypatch.setattr("critic_adapters.common.parallel.sdpa.kernel_device", lambda t: "cuda")
+    return calls
+
+
+def assert_fused_kernel_calls(calls: list[dict]) -> None:
+    """On CUDA only flash takes enable_gqa, and only bf16/fp16 without a mask: every other grouped
+    call must arrive with as many K/V heads as query heads."""
+    assert calls
+    for call in calls:
+        flash = call["dtype"] in (torch.bfloat16, torch.float16) and not call["masked"]
+        if flash:
+            assert call["enable_gqa"] == (len(set(call["heads"])) > 1), call
+        else:
+            assert not call["enable_gqa"] and len(set(call["heads"])) == 1, call
+
+
 def run_pytest(file: str, shard_key=None) -> None:
     """Entry point for Bazel py_test: run this file's tests with pytest and exit with its status.
     A target with `shard_count = N` runs every N-th test in each of its N shards (Bazel's test

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from critic_adapters.common.parallel import packed_attention
+from critic_adapters.common.parallel import packed_attention, ulysses
 from critic_adapters.common.parallel.batching import (data_parallel_shares, make_micro_batches, plan_fixed_size,
                                                      plan_token_budget)
-from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.common.tests.helpers import assert_fused_kernel_calls, run_pytest, sdpa_calls_as_on_cuda
 
 
 def test_token_budget_balances_by_tokens_not_rows():
@@ -184,6 +184,64 @@ def test_packed_attention_soft_caps_logits():
     assert torch.allclose(out, expected, atol=1e-5)
     uncapped = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5).transpose(1, 2)
     assert not torch.allclose(uncapped, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 3])
+def test_grouped_heads_reach_a_fused_cuda_kernel_in_packed_attention(monkeypatch, dtype, window):
+    """issue 41, item 8: on CUDA only flash takes enable_gqa (bf16/fp16, no mask); fp32 or a masked
+    call must arrive with repeated K/V heads, not enable_gqa (MATH, the whole score matrix). The
+    values are today's CPU ones."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [5, 8, 5, 1, 8]
+    n = sum(lengths)
+    q = torch.randn(1, 4, n, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in "kv")
+    position_ids = torch.cat([torch.arange(m) for m in lengths])[None]
+
+    def attend():
+        return packed_attention.packed_attention(torch.nn.Module(), q, k, v, None, scaling=0.25, sliding_window=window,
+                                                 position_ids=position_ids)[0]
+
+    today = attend()
+    calls = sdpa_calls_as_on_cuda(monkeypatch)
+    torch.testing.assert_close(attend(), today)
+    assert_fused_kernel_calls(calls)
+    assert any(call["enable_gqa"] for call in calls) == (dtype == torch.bfloat16)
+    assert any(call["masked"] for call in calls) == (window is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_heads_reach_a_fused_cuda_kernel_in_ulysses_padded_rows(monkeypatch, dtype):
+    """issue 41, item 8: Ulysses over padded rows always passes a mask, so on CUDA its grouped K/V
+    heads are repeated in every dtype; the values are today's CPU ones."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 7, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 7, 8, generator=g).to(dtype) for _ in "kv")
+    key_mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+
+    def attend():
+        return ulysses._padded_attention(q, k, v, key_mask, dropout=0.0, scaling=None, sliding_window=None,
+                                         softcap=None)
+
+    today = attend()
+    calls = sdpa_calls_as_on_cuda(monkeypatch)
+    torch.testing.assert_close(attend(), today)
+    assert_fused_kernel_calls(calls)
+    assert [call["heads"] for call in calls] == [(4, 4, 4)]
+
+
+def test_sdpa_keeps_heads_grouped_only_where_a_fused_kernel_takes_them():
+    """issue 41, item 8: the decision, as a table (CPU's flash kernel takes enable_gqa in every
+    dtype, masked or not; CUDA's flash only in bf16/fp16 without a mask)."""
+    from critic_adapters.common.parallel.kernels import sdpa_broadcasts_kv
+
+    table = {(device, dtype, masked): sdpa_broadcasts_kv(device, dtype, masked)
+             for device in ("cpu", "cuda") for dtype in (torch.float32, torch.bfloat16, torch.float16)
+             for masked in (False, True)}
+    assert {key for key, grouped in table.items() if not grouped} == {
+        ("cuda", torch.float32, False), ("cuda", torch.float32, True), ("cuda", torch.bfloat16, True),
+        ("cuda", torch.float16, True)}
 
 
 def test_packed_attention_refuses_a_padding_mask():

@@ -39,6 +39,61 @@ def test_a_gpu_group_has_gloo_for_cpu_tensors(fake_gpu_world):
     assert context.device == torch.device("cuda", 1) and context.world_size == 2
 
 
+def test_a_hosts_group_without_a_cpu_backend_is_refused_naming_the_fix(fake_gpu_world, monkeypatch):
+    """Issue 41, item 11: a host that started the default group with init_process_group("nccl") has no
+    backend for CPU tensors, nor has any group made from it: the float64 all_reduce, the barrier and
+    megatron's pipeline broadcast of the values would fail at the first step ("No backend type
+    associated with device type cpu"). init_distributed refuses such a group up front, naming the
+    fix; a group with gloo for CPU tensors is joined as it is."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")  # init_process_group("nccl")
+    with pytest.raises(ValueError, match=r"no backend for CPU tensors \(backend 'cuda:nccl'\).*"
+                                         r"init_process_group\(\"cpu:gloo,cuda:nccl\"\)"):
+        distributed.init_distributed()
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert distributed.init_distributed().device == torch.device("cuda", 1)
+    assert fake_gpu_world == []  # joined, never started
+
+
+# A default group whose only backend serves CUDA tensors, as init_process_group("nccl") makes one:
+# gloo registered under another name for the cuda device alone (this machine has no NCCL).
+CUDA_ONLY_GROUP = """
+import torch
+import torch.distributed as td
+from critic_adapters.common.parallel.distributed import init_distributed
+td.Backend.register_backend("cuda_only", lambda store, rank, size, timeout: td.ProcessGroupGloo(store, rank, size, timeout),
+                            devices=["cuda"])
+td.init_process_group("cuda_only", store=td.HashStore(), rank=0, world_size=1)
+try:
+    td.all_reduce(torch.zeros(1), group=td.new_group([0]))  # what the critic's collectives would meet
+except RuntimeError as err:
+    print("cpu all_reduce:", err)
+try:
+    init_distributed()
+    print("joined")
+except ValueError as err:
+    print("refused:", err)
+td.destroy_process_group()
+"""
+
+
+def test_a_real_group_without_a_cpu_backend_fails_cpu_collectives_and_is_refused():
+    """Issue 41, item 11, on a real process group: CPU collectives on it (and on a group made from it)
+    fail, and init_distributed refuses to join it."""
+    import subprocess
+    import sys
+
+    from critic_adapters.common.tests.torchrun import worker_env
+
+    result = subprocess.run([sys.executable, "-c", CUDA_ONLY_GROUP], env=worker_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "cpu all_reduce: No backend type associated with device type cpu", result.stdout
+    assert lines[1].startswith("refused: the default process group has no backend for CPU tensors (backend "
+                               "'cuda:cuda_only')") and "init_process_group(" in lines[1], result.stdout
+
+
 def test_collectives_send_cpu_tensors_to_the_group_they_are_given(fake_gpu_world, monkeypatch):
     distributed.init_distributed()
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank + 2)

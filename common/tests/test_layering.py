@@ -13,7 +13,8 @@ from critic_adapters.common.tests.helpers import run_pytest
 COMMON = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What common/valuehead may import from the rest of common: torch-only leaves. Its command line
 # (cli.py, __main__.py) sits on top of it and may read rollout data too.
-VALUEHEAD_MAY_IMPORT = {"common.learning.hl_gauss", "common.parallel.packed_attention", "common.storage.atomic_dir", "common.learning.loss"}
+VALUEHEAD_MAY_IMPORT = {"common.learning.hl_gauss", "common.parallel.kernels", "common.parallel.packed_attention",
+                        "common.storage.atomic_dir", "common.learning.loss"}
 VALUEHEAD_CLI_MAY_IMPORT = VALUEHEAD_MAY_IMPORT | {"common.learning.data", "common.testdata"}
 
 
@@ -44,7 +45,11 @@ def _imports(name: str, path: str, modules) -> set[str]:
         if not base or base[0] != "common":
             found.add(target or "<the package root>")
             continue
-        for candidate in [target] + [f"{target}.{alias.name}" for alias in node.names]:
+        # `from package import module` imports the module (the package's __init__ comes with any
+        # import of it); names that are not modules come from `target` itself.
+        submodules = {f"{target}.{alias.name}" for alias in node.names} & set(modules)
+        takes_names = len(submodules) < len(node.names)
+        for candidate in submodules | ({target} if takes_names else set()):
             if candidate in modules and candidate != name:
                 found.add(candidate)
     return found

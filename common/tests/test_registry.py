@@ -3,7 +3,7 @@ check and hint reads it; a host stack registers its own backend without editing 
 
 import pytest
 
-from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.parallel.distributed import init_distributed
 from critic_adapters.common.engine.registry import (
     BACKENDS,
@@ -49,6 +49,19 @@ def test_knobs_a_backend_ignores_are_errors_naming_the_backends_that_honour_them
         check_engine_config("megatron", EngineConfig(model=ModelConfig(attn_implementation="eager")))
     check_engine_config("fsdp", EngineConfig(cpu_offload=True, transforms=["freeze_backbone"]))
     check_engine_config("megatron", EngineConfig(transforms=["freeze_backbone"]))  # freezing works there too
+
+
+def test_the_replicated_optimizer_is_a_megatron_knob_the_fsdp2_backends_refuse_by_name():
+    """engine.optim.distributed_optimizer defaults to true, which every backend accepts (fsdp and
+    veomni shard the optimizer with FSDP2); false is megatron's plain optimizer only."""
+    plain = EngineConfig(optim=OptimConfig(distributed_optimizer=False))
+    for backend in ("fsdp", "veomni"):
+        with pytest.raises(ValueError, match=rf"{backend} backend does not implement "
+                                             r"engine\.optim\.distributed_optimizer=False \(honoured by backend=megatron\)"):
+            check_engine_config(backend, plain)
+        check_engine_config(backend, EngineConfig())
+    check_engine_config("megatron", plain)
+    assert EngineConfig().optim.distributed_optimizer is True
 
 
 def test_the_backends_for_a_family_are_those_that_declare_it_or_declare_none():

@@ -72,13 +72,22 @@ def _cls(family):
 
 
 def test_attention_selection(monkeypatch):
-    monkeypatch.setattr(attention, "flash_attention_available", lambda: False)
+    """Issue 41, item 1: load_critic on a GPU with flash_attn installed picked flash_attention_2 for
+    an fp32 critic, which crashes at the first forward: flash only for bf16/fp16 parameters."""
+    from critic_adapters.common.parallel import kernels
+
+    nothing = kernels.Installed(cuda=False, flash_attn=False, torch_varlen=False, transformer_engine=False,
+                                liger_kernel=False)
+    monkeypatch.setattr(kernels, "installed", lambda: nothing)
     assert select_attn_implementation(_cls("qwen2")) == "sdpa"
     assert select_attn_implementation(_cls("gemma2")) == "eager"  # Gemma2 refuses sdpa
     assert select_attn_implementation(_cls("qwen2"), "eager") == "eager"  # explicit wins
-    monkeypatch.setattr(attention, "flash_attention_available", lambda: True)
-    assert select_attn_implementation(_cls("qwen2")) == "flash_attention_2"
-    assert select_attn_implementation(_cls("qwen2"), "sdpa") == "sdpa"
+    gpu = kernels.Installed(cuda=True, flash_attn=True, torch_varlen=True, transformer_engine=False,
+                            liger_kernel=False)
+    monkeypatch.setattr(kernels, "installed", lambda: gpu)
+    assert select_attn_implementation(_cls("qwen2")) == "sdpa"  # fp32 parameters
+    assert select_attn_implementation(_cls("qwen2"), dtype=torch.bfloat16) == "flash_attention_2"
+    assert select_attn_implementation(_cls("qwen2"), "sdpa", torch.bfloat16) == "sdpa"
 
 
 def test_flash_attention_needs_both_the_package_and_cuda(monkeypatch):

@@ -1,23 +1,29 @@
-"""Choose the attention implementation: flash-attention when it can run, else sdpa, else eager."""
+"""The attention load_critic builds a critic with: common.parallel.kernels' policy for padded rows."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
+
+from ..parallel import kernels
 
 
 def flash_attention_available() -> bool:
     """flash_attn is importable and a CUDA device is present (it has no CPU kernels)."""
-    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    return kernels.installed().flash_attn
 
 
-def select_attn_implementation(critic_cls: type, requested: str | None = None) -> str:
-    """`requested` wins; otherwise flash_attention_2 > sdpa > eager, as the model class allows."""
+def attention_choice(critic_cls: type, dtype: torch.dtype = torch.float32, *,
+                     have: kernels.Installed | None = None) -> kernels.Choice:
+    """The attention for padded rows of `critic_cls` computing in `dtype` (kernels.attention)."""
+    return kernels.attention(compute_dtype=dtype, packed=False, have=have or kernels.installed(),
+                             flash_capable=critic_cls._supports_flash_attn, sdpa_capable=critic_cls._supports_sdpa)
+
+
+def select_attn_implementation(critic_cls: type, requested: str | None = None,
+                               dtype: torch.dtype = torch.float32) -> str:
+    """`requested` wins (an engine checks its own against the dtype it computes in: parameters may be
+    fp32 under bf16 mixed precision); otherwise flash_attention_2 (CUDA, bf16/fp16, flash_attn
+    installed) > sdpa > eager, as the class allows, for parameters in `dtype`."""
     if requested is not None:
         return requested
-    if flash_attention_available() and critic_cls._supports_flash_attn:
-        return "flash_attention_2"
-    if critic_cls._supports_sdpa:
-        return "sdpa"
-    return "eager"
+    return attention_choice(critic_cls, dtype).kernel

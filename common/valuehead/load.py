@@ -56,6 +56,8 @@ class LoadReport:
     """The kind of head the critic has (common/learning/hl_gauss.py: describe)."""
     experts: str | None = None
     """A mixture-of-experts backbone's experts (common/valuehead/experts.py), None for a dense one."""
+    kernels: str | None = None
+    """What an engine runs the critic with and why (common.parallel.kernels); None from load_critic."""
 
     def __str__(self) -> str:
         lines = [
@@ -68,6 +70,8 @@ class LoadReport:
         ]
         if self.experts:
             lines.append(f"  experts      {self.experts}")
+        if self.kernels:
+            lines.append(f"  kernels      {self.kernels}")
         if self.missing_keys:
             lines.append(f"  initialised  {', '.join(self.missing_keys)}")
         if self.unexpected_keys:
@@ -312,7 +316,7 @@ def load_critic(
     Args:
       path: a local Hugging Face style model directory (any format in docs/ARCHITECTURE.md).
       torch_dtype: parameter dtype; values from compute_values are float32 regardless.
-      attn_implementation: None picks flash_attention_2 > sdpa > eager (see attention.py).
+      attn_implementation: None picks flash_attention_2 (CUDA, bf16/fp16) > sdpa > eager (see attention.py).
       trust_remote_code: allow model code shipped with the checkpoint.
       config: use this HF config instead of path/config.json (it is passed through critic_config).
       head_prefix: the head is stored as `<prefix>.weight` (+ optional `<prefix>.bias`).
@@ -340,7 +344,7 @@ def load_critic(
     if new_head:
         detection = dataclasses.replace(detection, head_file=None)
     model_cls = critic_class(critic_cfg)
-    attn = select_attn_implementation(model_cls, attn_implementation)
+    attn = select_attn_implementation(model_cls, attn_implementation, torch_dtype)
 
     key_mapping = detection.key_mapping(head_attr, include_head=not new_head)
     try:

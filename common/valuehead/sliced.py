@@ -230,7 +230,7 @@ def open_sliced(path: str, *, torch_dtype: torch.dtype = torch.float32, attn_imp
     detection_before = detection
     if new_head:
         detection = dataclasses.replace(detection, head_file=None)
-    attn = select_attn_implementation(critic_class(config), attn_implementation)
+    attn = select_attn_implementation(critic_class(config), attn_implementation, torch_dtype)
     model = meta_critic(config, torch_dtype, attn)
     key_mapping = detection.key_mapping(head_attr, include_head=not new_head)
     names, fused, why = _critic_names(index, model, key_mapping)

@@ -13,6 +13,9 @@ verl hands an engine its model, engine and optimizer configs (`critic.model`, `c
   critic.optim.min_lr_ratio                    engine.optim.min_lr_ratio
   critic.optim.total_training_steps            engine.optim.total_steps
   critic.fsdp.seed                             engine.seed
+  critic.fsdp.mixed_precision.param_dtype      engine.mixed_precision: bf16 -> bf16, fp32 -> none; unset
+                                               (verl's default) is bf16, as verl's FSDP engine computes
+  critic.fsdp.model_dtype                      engine.model.dtype: fp32 -> float32, bf16 -> bfloat16
   critic.fsdp.param_offload / optimizer_offload  our engine off the device from initialize() on; verl's phases
                                                  onload / offload it (engine.py: PhaseContext)
 
@@ -20,6 +23,9 @@ Our own settings on top come from CriticAdaptersEngineConfig (set `critic.fsdp._
 `critic_adapters_backend` (fsdp | megatron | veomni) and `critic_adapters`, a mapping of our
 EngineConfig keys (`{"batching": {"micro_batch_tokens": 4096}, "parallel": {"tensor": 2}}`),
 which win over the mapped values. Without it the backend is fsdp with the mapped values alone.
+A precision our engine has no equivalent of (fp16; a reduce_dtype or buffer_dtype other than fp32;
+bf16 parameters computed in fp32) is refused by its key. verl's `critic.fsdp.dtype` is read by
+verl's megatron engine only, not by its FSDP engine, and is not mapped either.
 The loss is verl's own (the loss function verl passes: its value_loss and normalisation), so
 `engine.loss` is not used, and `engine.loss.kind=hl_gauss` is refused.
 """
@@ -67,6 +73,36 @@ def _warmup_steps(optim) -> int:
     return int(ratio * total) if total > 0 else 0
 
 
+# verl's precision names (verl.utils.torch_dtypes.PrecisionType) -> ours.
+_FP32, _BF16 = ("fp32", "float32", "32", 32), ("bf16", "bfloat16")
+
+
+def _precision(engine_config) -> dict:
+    """critic.fsdp.model_dtype and mixed_precision as our engine.model.dtype and engine.mixed_precision.
+    verl's FSDP engine computes in mixed_precision.param_dtype (bf16 when the key is missing) with
+    the parameters stored in model_dtype; reduce_dtype and buffer_dtype default to fp32."""
+    model_dtype = getattr(engine_config, "model_dtype", None) or "fp32"  # verl: fp32 for training
+    if model_dtype not in _FP32 + _BF16:
+        raise ValueError(f"critic.fsdp.model_dtype={model_dtype!r}: the critic_adapters engine stores parameters in "
+                         f"fp32 or bf16")
+    policy = dict(getattr(engine_config, "mixed_precision", None) or {})
+    param = policy.get("param_dtype", "bf16")
+    if param not in _FP32 + _BF16:
+        raise ValueError(f"critic.fsdp.mixed_precision.param_dtype={param!r}: the critic_adapters engine computes in "
+                         f"bf16 or fp32")
+    for key, what in (("reduce_dtype", "reduces gradients in fp32"),
+                      ("buffer_dtype", "has no buffer dtype of its own (buffers stay as loaded)")):
+        if policy.get(key, "fp32") not in _FP32:
+            raise ValueError(f"critic.fsdp.mixed_precision.{key}={policy[key]!r}: the critic_adapters engine {what}; "
+                             f"leave it unset or fp32")
+    if model_dtype in _BF16 and param in _FP32:
+        raise ValueError(f"critic.fsdp.model_dtype={model_dtype!r} with critic.fsdp.mixed_precision.param_dtype="
+                         f"{param!r}: the critic_adapters engine computes in bf16 when it stores parameters in bf16; "
+                         f"set param_dtype bf16 (or model_dtype fp32 for an fp32 critic)")
+    return {"model": {"dtype": "bfloat16" if model_dtype in _BF16 else "float32"},
+            "mixed_precision": "bf16" if param in _BF16 else "none"}
+
+
 def _mapped(model_config, engine_config, optimizer_config) -> dict:
     """What verl's configs say, as a nested dict of our EngineConfig keys."""
     schedule = getattr(optimizer_config, "lr_scheduler_type", None) or getattr(optimizer_config, "warmup_style", None) \
@@ -85,9 +121,12 @@ def _mapped(model_config, engine_config, optimizer_config) -> dict:
         "min_lr_ratio": float(getattr(optimizer_config, "min_lr_ratio", None) or 0.0),
         "total_steps": int(total) if total is not None and total > 0 else None,
     }
+    precision = _precision(engine_config)
     return {
         "model": {"path": getattr(model_config, "local_path", None) or model_config.path,
-                  "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False))},
+                  "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False)),
+                  **precision["model"]},
+        "mixed_precision": precision["mixed_precision"],
         "optim": optim,
         "gradient_checkpointing": bool(getattr(model_config, "enable_gradient_checkpointing", False)),
         "seed": int(getattr(engine_config, "seed", 0) or 0),

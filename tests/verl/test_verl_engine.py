@@ -292,6 +292,25 @@ def test_the_engine_config_maps_verls_keys_and_refuses_what_does_not_fit(critic_
     assert errors["schedule"].startswith("critic.optim.lr_scheduler_type='wsd'")
 
 
+def test_verls_precision_keys_map_onto_ours(single_process_checks):
+    """issue 41, item 6: verl's own FSDP engine computes in bf16 unless critic.fsdp.mixed_precision
+    says otherwise; so does our critic under verl (engine.mixed_precision=bf16), and an explicit fp32
+    policy maps to none. A precision our engine has no equivalent of is refused by its key."""
+    for form in ("yaml", "command line"):  # verl's ppo_trainer.yaml as hydra composes it, our keys added
+        result = single_process_checks[form]
+        assert (result["mixed_precision"], result["dtype"]) == ("bf16", "float32"), form
+    precision = single_process_checks["config"]["precision"]
+    assert precision == {"default": ("bf16", "float32"), "fp32": ("none", "float32"),
+                         "bf16 params": ("bf16", "bfloat16"), "explicit bf16": ("bf16", "float32")}
+    errors = single_process_checks["config"]["errors"]
+    assert errors["fp16"].startswith("critic.fsdp.mixed_precision.param_dtype='fp16'")
+    assert errors["reduce_dtype"].startswith("critic.fsdp.mixed_precision.reduce_dtype='bf16'")
+    assert errors["buffer_dtype"].startswith("critic.fsdp.mixed_precision.buffer_dtype='bf16'")
+    assert errors["model_dtype"].startswith("critic.fsdp.model_dtype='fp16'")
+    assert errors["bf16 params, fp32 compute"].startswith(
+        "critic.fsdp.model_dtype='bf16' with critic.fsdp.mixed_precision.param_dtype='fp32'")
+
+
 
 def test_the_readme_verl_example_runs_on_cpu_with_nothing_set_up_by_hand(tmp_path):
     # Issue 27, 4.2: TrainingWorker failed with "Duplicate device type cpu in backend string" (cpu:gloo,cpu:gloo).

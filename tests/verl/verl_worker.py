@@ -314,8 +314,23 @@ def config(model_dir: str) -> dict:
         "tensor": mapped.parallel.tensor, "micro_batch_tokens": mapped.batching.micro_batch_tokens,
         "gradient_checkpointing": mapped.gradient_checkpointing}}
     out["mapped"]["optim"]["betas"] = list(out["mapped"]["optim"]["betas"])
+    out["precision"] = {}  # verl's precision keys (verl's defaults: model_dtype fp32, no mixed_precision)
+    for name, fields in {"default": {}, "fp32": ENGINE_FIELDS, "bf16 params": {"model_dtype": "bf16"},
+                         "explicit bf16": {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}}.items():
+        _, precision = ours.engine_config_from_verl(model, ours.CriticAdaptersEngineConfig(**fields), optim)
+        out["precision"][name] = (precision.mixed_precision, precision.model.dtype)
+    refused = {}
+    for key, fields in {"fp16": {"mixed_precision": {"param_dtype": "fp16"}},
+                        "reduce_dtype": {"mixed_precision": {"reduce_dtype": "bf16"}},
+                        "buffer_dtype": {"mixed_precision": {"buffer_dtype": "bf16"}},
+                        "model_dtype": {"model_dtype": "fp16"},
+                        "bf16 params, fp32 compute": {"model_dtype": "bf16", "mixed_precision": {"param_dtype": "fp32"}}
+                        }.items():
+        refused[key] = lambda fields=fields: ours.engine_config_from_verl(
+            model, ours.CriticAdaptersEngineConfig(**fields), optim)
     errors = {}
     for name, make in {
+        **refused,
         "unknown key": lambda: ours.engine_config_from_verl(model, ours.CriticAdaptersEngineConfig(
             critic_adapters={"batching": {"micro_batch_token": 1}}), optim),
         "hl_gauss": lambda: ours.engine_config_from_verl(model, ours.CriticAdaptersEngineConfig(critic_adapters={
@@ -351,6 +366,7 @@ def yaml(readme_yaml: str, *overrides: str) -> dict:
     backend, mapped = ours.engine_config_from_verl(critic.model, critic.engine, critic.optim)
     return {"strategy": critic.strategy, "engine_strategy": critic.engine.strategy,
             "engine_config": type(critic.engine).__name__, "backend": backend,
+            "mixed_precision": mapped.mixed_precision, "dtype": mapped.model.dtype,
             "parallel": dataclasses.asdict(mapped.parallel), "batching": dataclasses.asdict(mapped.batching),
             "path": mapped.model.path}
 

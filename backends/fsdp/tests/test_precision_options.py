@@ -22,7 +22,7 @@ def test_bf16_with_activation_checkpointing_on_two_ranks(tmp_path):
     assert 0 < diff < 0.05, f"bf16 values differ from fp32 by {diff}"  # close, and really bf16
     assert out["checkpointing"] is True
     assert out["losses"][-1] < 0.7 * out["losses"][0], out["losses"]
-    assert any("cpu_offload is ignored" in w for w in out["warnings"])
+    assert not any("cpu_offload" in w for w in out["warnings"]), out["warnings"]  # honoured on CPU too
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 the same run killed after a checkpoint resumes to bit-identical weights, and at TP1 it continues the
 same loss curve; process counts the layout cannot use are refused."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 
 from critic_adapters.backends.megatron.tests.launch import worker_env
 from critic_adapters.common.job.metrics import read_metrics
+from critic_adapters.common.storage.checkpoints import META_FILE
 from critic_adapters.common.tests.helpers import (SHORT_JOB, assert_same_exported_weights, final_explained_variance,
                                                    run_pytest)
 from critic_adapters.common.tests.torchrun import (KILL_AFTER_STEP, assert_resumed_run_follows,
@@ -65,6 +67,33 @@ def test_the_job_learns_and_a_killed_run_resumes_identically_and_at_another_tens
     resumed = launch("--nproc", "1", f"trainer.run_dir={other}", *SHORT, "engine.parallel.tensor=1", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_resumed_run_follows(other, whole, steps=30)
+
+
+def test_a_run_saved_before_the_optimizer_was_recorded_resumes_only_with_the_plain_optimizer(tmp_path):
+    """A run written before engine.optim.distributed_optimizer existed (its config.yaml and checkpoint
+    meta do not name it; it ran megatron's plain optimizer on CPU) is refused by the default, the
+    distributed optimizer, naming the key, and resumes with engine.optim.distributed_optimizer=false."""
+    run_dir = tmp_path / "old"
+    small = (f"trainer.run_dir={run_dir}", "--nproc", "1", "engine.parallel.tensor=1", "data.num_rollouts=32",
+             "data.mini_batch_size=16", "trainer.save_every_steps=1", "trainer.export_hf=false", "trainer.plot=false",
+             "trainer.tensorboard=false", "trainer.progress=false")
+    result = launch(*small, "trainer.epochs=1", "engine.optim.distributed_optimizer=false")
+    assert result.returncode == 0, result.stderr[-4000:]
+    config = (run_dir / "config.yaml").read_text()
+    assert "distributed_optimizer: false" in config
+    (run_dir / "config.yaml").write_text(config.replace("    distributed_optimizer: false\n", ""))
+    for meta_file in run_dir.glob(f"checkpoints/step_*/{META_FILE}"):
+        meta = json.loads(meta_file.read_text())
+        assert meta.pop("distributed_optimizer") is False
+        meta_file.write_text(json.dumps(meta))
+
+    refused = launch(*small, "trainer.epochs=2", "--resume")
+    assert refused.returncode != 0
+    assert "holds the state of the plain (replicated) optimizer" in refused.stderr, refused.stderr[-4000:]
+    assert "resume it with engine.optim.distributed_optimizer=false" in refused.stderr, refused.stderr[-4000:]
+    resumed = launch(*small, "trainer.epochs=2", "engine.optim.distributed_optimizer=false", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resume: engine.optim.distributed_optimizer changed from True to False" in resumed.stdout, resumed.stdout
 
 
 if __name__ == "__main__":

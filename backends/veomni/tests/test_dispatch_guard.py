@@ -98,6 +98,21 @@ def test_the_declared_families_are_the_installed_veomnis_registry():
     assert sorted(VEOMNI_FAMILIES) == sorted(MODELING_REGISTRY.valid_keys())
 
 
+def test_veomnis_ops_are_eager_unless_the_policy_chooses_liger(monkeypatch):
+    """Issue 41, item 5: on a GPU the engine kept VeOmni's defaults (liger / triton / fla kernels),
+    which raise while building when liger-kernel is not installed: eager unless the kernel policy
+    (common.parallel.kernels.veomni_ops) chooses liger, on every device."""
+    from critic_adapters.backends.veomni import compat
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    eager = compat.ops_implementation("sdpa")
+    assert eager.attn_implementation == "sdpa"
+    assert {getattr(eager, name) for name in compat._EAGER_KERNELS} == {"eager"}
+    liger = compat.ops_implementation("sdpa", "liger")
+    assert {getattr(liger, name) for name in compat._LIGER_KERNELS} == {"liger_kernel"}
+    assert {getattr(liger, name) for name in set(compat._EAGER_KERNELS) - set(compat._LIGER_KERNELS)} == {"eager"}
+
+
 def test_meta_parameters_are_refused():
     with torch.device("meta"):
         model = torch.nn.Linear(4, 1)
