@@ -140,7 +140,7 @@ def plan_job(config: TrainConfig, processes: int | None = None, *, in_use: bool 
     if processes is None:
         if resume is not None and resume.processes is not None:
             processes = resume.processes
-            note = f"as the run last ran (--nproc N to change)"
+            note = "as the run last ran (--nproc N to change)"
         else:
             processes = config.engine.parallel.min_world_size
             if resume is not None:

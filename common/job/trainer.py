@@ -200,7 +200,6 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
             refresh = refreshes_old_values(config, train)
     latest = plan.resume.latest if resuming else None
     saved = plan.resume.saved if resuming else None
-    prepared_file = os.path.join(run_dir, PREPARED)
 
     # One run per run_dir (rank 0 holds the lock; if it cannot, it fails and takes the others down).
     with run_dir_lock(run_dir) if main else contextlib.nullcontext():
