@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig
-from critic_adapters.common.parallel.distributed import init_distributed, shutdown
+from critic_adapters.common.parallel.distributed import all_gather_object, init_distributed, shutdown
 from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.tests.conformance.worker import rollout
 from critic_adapters.tests.transforms_for_tests import register_test_transforms
@@ -52,10 +52,23 @@ def parameters(engine) -> dict:
     return {n: full(p) for n, p in engine.model.named_parameters()}
 
 
+def optimized_count(engine) -> int:
+    """How many of the model's parameters the optimizer steps. megatron's distributed optimizer (its
+    default) holds each rank's slice of them (model_param_group_index_map: the model parameters with
+    a range on this rank), so those are counted by name over the ranks."""
+    parts = getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer]
+    index_maps = [getattr(part, "model_param_group_index_map", None) for part in parts]
+    if any(index_map is None for index_map in index_maps):
+        return sum(len(g["params"]) for g in engine.optimizer.param_groups)
+    names = {id(p): name for name, p in engine.model.named_parameters()}
+    mine = sorted({names[id(p)] for index_map in index_maps for p in index_map})
+    return len(set().union(*all_gather_object(mine, group=engine.parallel.world_group)))
+
+
 def finish(engine, dist, workdir: str, result: dict, *, leave: bool = True) -> None:
     """Add what the optimizer steps, the trainable names and the fingerprint; close the engine; rank 0
     writes WORKDIR/result.pt; leave the process group (unless `leave` is false: more runs follow)."""
-    result.update(optimized=sum(len(g["params"]) for g in engine.optimizer.param_groups),
+    result.update(optimized=optimized_count(engine),
                   trainable=sorted(n for n, p in engine.model.named_parameters() if p.requires_grad),
                   fingerprint=engine.fingerprint)
     engine.close()
