@@ -4,6 +4,10 @@ and the export streams tensor by tensor (common/valuehead/safetensors_stream.py)
 with the kernel's resident high-water mark (common/parallel/host_memory.py), in units of the fp32 model:
 
   transient at load (the build's peak minus what stays after it)   <= 0.20
+              megatron                                            <= 0.75: its distributed optimizer
+              (the default) has DDP copy the rank's parameters into one contiguous buffer at build,
+              so they exist twice for a moment: one partition (0.5 at TP 2 / PP 2, measured 0.49-0.58
+              with the load's own) on top of the load's transient
   what stays: fsdp/veomni its parameter shard                     <= 0.60
               megatron its partition plus DDP's fp32 grad buffer  <= 1.10
   the export's peak above what the rank held before it            <= 0.30
@@ -23,7 +27,8 @@ from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun
 
 KEPT = {"fsdp": 0.60, "veomni": 0.60, "megatron": 1.10}
-TRANSIENT, EXPORT = 0.20, 0.30
+TRANSIENT = {"fsdp": 0.20, "veomni": 0.20, "megatron": 0.75}
+EXPORT = 0.30
 CASES = [("fsdp", "data=2"), ("veomni", "data=2"), ("megatron", "tensor=2"), ("megatron", "pipeline=2")]
 
 
@@ -52,7 +57,7 @@ def test_each_rank_holds_only_its_part(tmp_path, model, backend, layout):
     for rank, record in enumerate(records):
         r = ratios(record, model_bytes)
         print(f"{backend} {layout} rank {rank}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
-        assert r["transient"] <= TRANSIENT, (rank, r)
+        assert r["transient"] <= TRANSIENT[backend], (rank, r)
         assert r["kept"] <= KEPT[backend], (rank, r)
         assert r["export_peak"] <= EXPORT, (rank, r)
 
