@@ -53,16 +53,17 @@ def parameters(engine) -> dict:
 
 
 def optimized_count(engine) -> int:
-    """How many of the model's parameters the optimizer steps. megatron's distributed optimizer (its
-    default) holds each rank's slice of them (model_param_group_index_map: the model parameters with
-    a range on this rank), so those are counted by name over the ranks."""
+    """How many of this rank's model parameters the optimizer steps. megatron's distributed optimizer
+    (its default) holds each data-parallel rank's slice of them (model_param_group_index_map: the
+    model parameters with a range on this rank), so those are counted by name over the data-parallel
+    group (pipeline stages and tensor ranks hold other parameters)."""
     parts = getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer]
     index_maps = [getattr(part, "model_param_group_index_map", None) for part in parts]
     if any(index_map is None for index_map in index_maps):
         return sum(len(g["params"]) for g in engine.optimizer.param_groups)
     names = {id(p): name for name, p in engine.model.named_parameters()}
     mine = sorted({names[id(p)] for index_map in index_maps for p in index_map})
-    return len(set().union(*all_gather_object(mine, group=engine.parallel.world_group)))
+    return len(set().union(*all_gather_object(mine, group=engine.dp_group)))
 
 
 def finish(engine, dist, workdir: str, result: dict, *, leave: bool = True) -> None:
