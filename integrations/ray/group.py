@@ -91,16 +91,15 @@ class RayCriticGroup:
         import ray
         from ray.util.placement_group import placement_group as new_placement_group
 
-        from ...common.engine.registry import check_engine_config, check_layout
+        from ...common.engine.registry import check_layout
         from .cluster import check_fits, ensure_ray
 
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy={placement_strategy!r}; use one of {', '.join(PLACEMENT_STRATEGIES)}")
-        num_workers = num_workers or (len(bundle_indices) if bundle_indices else engine_config.parallel.model_parallel_size)
+        num_workers = num_workers or (len(bundle_indices) if bundle_indices else engine_config.parallel.min_world_size)
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: a group needs at least one worker")
-        check_engine_config(backend, engine_config)
-        check_layout(backend, engine_config, num_workers)
+        check_layout(backend, engine_config, num_workers)  # the backend's knobs and degrees first
         resources = _resources(resources_per_worker, use_gpu=torch.cuda.is_available())
         # Paths as the driver means them: an actor's working directory is not the driver's.
         model = dataclasses.replace(engine_config.model, path=_absolute(engine_config.model.path))
