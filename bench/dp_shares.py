@@ -16,7 +16,6 @@ checkpoint reloaded before each). Reported: the largest share's tokens, and the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -74,7 +73,7 @@ def worker(model_dir: str, out_file: str, repeats: int, rows: int, short: int) -
         for name, shares in ways.items():
             engine.load_checkpoint(checkpoint)
             mine = shares[engine.dp_rank]
-            share = type(batch)(**{f.name: getattr(batch, f.name)[mine] for f in dataclasses.fields(batch)})
+            share = batch.map(lambda tensor: tensor[mine])
             barrier(engine.parallel.world_group)
             start = time.perf_counter()
             engine.update(share)

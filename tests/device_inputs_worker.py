@@ -10,7 +10,6 @@ those of the CPU inputs, or {"raised": the RuntimeError's message}.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -53,7 +52,7 @@ def _to_cpu(args, kwargs) -> bool:
 
 def elsewhere(value):
     if isinstance(value, RolloutBatch):
-        return RolloutBatch(*(elsewhere(getattr(value, f.name)) for f in dataclasses.fields(value)))
+        return value.map(elsewhere)
     return value.as_subclass(OnAnotherDevice)
 
 

@@ -295,7 +295,7 @@ class MegatronCriticEngine(Offloadable):
             head = inputs.crop(output if self.support is not None else output.squeeze(-1))
             values = mb.unpack(head, batch.input_ids.shape[1])
             loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
-                                          batch.returns[mb.rows].to(device), batch.response_mask[mb.rows].to(device))
+                                          batch.returns[mb.rows].to(device), batch.loss_mask[mb.rows].to(device))
             loss = loss + aux.term(mb, [inputs.crop(logits) for logits in self._router_logits], batch.attention_mask,
                                    batch.input_ids.shape[1], stats)
             return loss * scale, {}

@@ -66,6 +66,10 @@ class RolloutBatch:
     Per-token fields are aligned with input_ids: response_mask[t] = 1 when token t is a response
     token; old_values[t] and returns[t] belong to that token. The critic's prediction for token t is
     its value at position t - 1 (the state before the token), as in verl, OpenRLHF and trl.
+    value_mask (optional, a subset of response_mask; None: response_mask) marks the tokens whose
+    values the critic regresses: the loss, its normalisation over the whole mini-batch, the clip
+    fraction and the explained variance count those tokens only (an agent's action tokens may be
+    more than the tokens worth a value target, e.g. VAGEN's turn anchors).
     """
 
     input_ids: torch.Tensor
@@ -73,17 +77,33 @@ class RolloutBatch:
     response_mask: torch.Tensor
     old_values: torch.Tensor
     returns: torch.Tensor
+    value_mask: torch.Tensor | None = None
 
     def __post_init__(self):
         shape = self.input_ids.shape
         for field in dataclasses.fields(self):
             tensor = getattr(self, field.name)
-            if tensor.shape != shape:
+            if tensor is not None and tensor.shape != shape:
                 raise ValueError(f"RolloutBatch.{field.name} has shape {tuple(tensor.shape)}, input_ids {tuple(shape)}")
         if bool((self.response_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError("RolloutBatch.response_mask marks padding positions as response tokens")
         if shape[-1] and bool(self.response_mask[:, 0].any()):
             raise ValueError("RolloutBatch.response_mask marks position 0: a response token needs a token before it")
+        if self.value_mask is not None:
+            outside = int((self.value_mask.bool() & ~self.response_mask.bool()).sum())
+            if outside:
+                raise ValueError(f"RolloutBatch.value_mask marks {outside} token(s) outside response_mask: the critic "
+                                 f"regresses values of response tokens only (value_mask must be a subset of it)")
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens the value loss counts: value_mask, or response_mask without one."""
+        return self.response_mask if self.value_mask is None else self.value_mask
+
+    def map(self, fn) -> "RolloutBatch":
+        """A batch of fn(tensor) for every tensor field (rows selected, moved to a device, ...)."""
+        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                               for f in dataclasses.fields(self)})
 
 
 class CriticEngine(Protocol):
@@ -129,9 +149,9 @@ class CriticEngine(Protocol):
         ...
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: every field
-        required, all [B, T]; old_values and returns token-aligned). The loss is normalised over
-        the whole mini-batch across DP ranks. Returns common.engine.update_step.METRICS (docs/METRICS.md),
+        """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: all [B, T];
+        old_values and returns token-aligned; value_mask optional). The loss counts the value-mask
+        tokens (response_mask without one) and is normalised over the whole mini-batch across DP ranks. Returns common.engine.update_step.METRICS (docs/METRICS.md),
         reduced over the DP group, and router_aux_loss when engine.loss.router_aux_coef > 0."""
         ...
 
@@ -273,7 +293,8 @@ def inputs_on_host(method):
 def _on_host(value):
     if isinstance(value, torch.Tensor):
         return value.cpu()
-    if isinstance(value, RolloutBatch) and any(getattr(value, f.name).device.type != "cpu"
+    if isinstance(value, RolloutBatch) and any(getattr(value, f.name) is not None
+                                               and getattr(value, f.name).device.type != "cpu"
                                                for f in dataclasses.fields(value)):
-        return RolloutBatch(*(getattr(value, f.name).cpu() for f in dataclasses.fields(value)))
+        return value.map(torch.Tensor.cpu)
     return value

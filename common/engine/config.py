@@ -13,6 +13,7 @@ import warnings
 
 from ..learning.hl_gauss import HLGaussSupport, support_problem
 from ..learning.loss import AGG_MODES
+from ..learning.gae import OFF_MASK_REWARDS, TIMESTEP_UNITS
 
 DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("none", "bf16")
@@ -342,12 +343,13 @@ class EngineConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class DataConfig:
     train_path: str = "embedded:default"
-    """Rollouts as .parquet or .jsonl (schema in docs/DATA.md), or embedded:default (generated)."""
+    """Rollouts as .parquet or .jsonl (schema in docs/DATA.md), or generated: embedded:default
+    (single-turn) or embedded:multi_turn (agentic: turns with tool output between them)."""
     eval_path: str | None = None
     """Held-out rollouts; when null, eval_fraction of train_path is held out."""
     eval_fraction: float = 0.1
     num_rollouts: int = 2048
-    """How many rollouts embedded:default generates."""
+    """How many rollouts an embedded: set generates."""
     gamma: float = 1.0
     """Discount for GAE when the data has per-token rewards instead of returns."""
     lam_critic: float = 1.0
@@ -364,6 +366,14 @@ class DataConfig:
     once per epoch; 0, the default: 4 x mini_batch_size). A multiple of mini_batch_size where it
     matters (the job renews old values: none in the data, and a value clip); old values given in
     the data stay as given."""
+    timestep_unit: str = "token"
+    """GAE's timestep when the rollouts give rewards: token, or turn (each turn of the rollouts'
+    turn_ids one timestep: its rewards summed, its value its first token's, its advantage and
+    return on all its tokens; AReaL's gae_timestep_unit)."""
+    off_mask_rewards: str = "error"
+    """A non-zero reward on a token outside response_mask (a trajectory that ends on a tool output):
+    error (refused, the row named), or previous (moved to the row's last response token before it).
+    Never dropped."""
     truncate_to_max_positions: bool = False
     """Cut rollouts longer than the model's max_position_embeddings to that length (their tail, and
     any reward on it, is dropped) instead of refusing them."""
@@ -384,6 +394,11 @@ class DataConfig:
             warnings.warn(f"data.lam is deprecated: it is read as data.lam_critic={self.lam}; rename the key",
                           FutureWarning, stacklevel=2)
             self.lam_critic, self.lam = self.lam, None
+        if self.timestep_unit not in TIMESTEP_UNITS:
+            raise ValueError(f"data.timestep_unit={self.timestep_unit!r}: use one of {', '.join(TIMESTEP_UNITS)}")
+        if self.off_mask_rewards not in OFF_MASK_REWARDS:
+            raise ValueError(f"data.off_mask_rewards={self.off_mask_rewards!r}: use one of "
+                             f"{', '.join(OFF_MASK_REWARDS)}")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam_critic <= 1.0):
             raise ValueError(f"data.gamma={self.gamma} and data.lam_critic={self.lam_critic} must be in [0, 1]")
 

@@ -245,7 +245,7 @@ class FSDP2Engine(Offloadable):
                     continue
                 loss = stats.micro_batch_loss(shift_to_tokens(values), batch.old_values[mb.rows].to(device),
                                               batch.returns[mb.rows].to(device),
-                                              batch.response_mask[mb.rows].to(device))
+                                              batch.loss_mask[mb.rows].to(device))
                 loss = loss + aux.term(mb, [part.reshape(*mb.input_ids.shape, -1) for part in logits],
                                        batch.attention_mask, batch.input_ids.shape[1], stats)
                 # FSDP averages gradients over its shard ranks; the loss is already the global mean

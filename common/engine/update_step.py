@@ -16,9 +16,9 @@ once per step, in `StepStats.metrics`. The metric names are part of the engine c
   grad_norm           global gradient norm before clipping
   lr                  the learning rate this step used
   tokens_per_s        non-padding tokens of the mini-batch (all DP ranks) per second of the step
-  valid_tokens        response tokens the loss covered
+  valid_tokens        tokens the loss covered (the value mask's; without one the response tokens)
   value/mean, value/std, return/mean, return/std
-                      the critic's values (before the step) and the returns over the response tokens
+                      the critic's values (before the step) and the returns over those tokens
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class StepPlan:
 
 
 def plan_step(batch: RolloutBatch, loss: LossConfig, dp_group) -> StepPlan:
-    (normalizer,) = all_reduce([loss_normalizer(batch.response_mask, loss.agg_mode)], group=dp_group)
+    (normalizer,) = all_reduce([loss_normalizer(batch.loss_mask, loss.agg_mode)], group=dp_group)
     (horizon,) = all_reduce([batch.input_ids.shape[1]], op="max", group=dp_group)
     return StepPlan(normalizer=normalizer, horizon=int(horizon))
 
@@ -117,7 +117,8 @@ class StepStats:
     def micro_batch_loss(self, predictions: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                          response_mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the mini-batch loss; its micro-batches' losses add up to the
-        mini-batch loss, however the mini-batch was split. `predictions` are for tokens (shifted):
+        mini-batch loss, however the mini-batch was split. `response_mask`: the tokens the loss
+        counts (RolloutBatch.loss_mask: the value mask when the batch has one). `predictions` are for tokens (shifted):
         [b, T] values, or with loss.kind=hl_gauss [b, T, num_bins] bin logits."""
         support = self.support
         if support is None:

@@ -23,8 +23,9 @@ import torch
 
 from ..storage import checkpoints
 from ..engine.config import TrainConfig, to_yaml
-from ..learning.data import (Rollouts, gae_returns, load_rollouts, make_default_records, split_held_out, to_rollouts,
-                   validate_records)
+from ..learning.data import (Rollouts, gae, load_rollouts, make_default_records, split_held_out, to_rollouts,
+                             validate_records)
+from ..learning.multi_turn import make_multi_turn_records
 from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
@@ -36,6 +37,8 @@ from .plan import PREPARED, JobPlan, plan_job, record_processes
 from .run_lock import run_dir_lock
 
 OLD_VALUES = "old_values"  # a checkpoint's extra state: the PPO iteration's old values, response tokens only
+RETURNS = "returns"  # ... and its returns, when the job renews them (truncated rows bootstrap from the critic)
+EMBEDDED_ROLLOUTS = {"embedded:default": make_default_records, "embedded:multi_turn": make_multi_turn_records}
 
 
 class TrainingInterrupted(Exception):
@@ -75,11 +78,15 @@ def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | Non
     """(train, eval) rollouts, validated; eval is data.eval_path or a held-out share of train."""
     data = config.data
     notes: list[str] = []
-    limits = {"max_positions": max_positions, "truncate": data.truncate_to_max_positions}
-    if data.train_path == "embedded:default":
-        records = make_default_records(data.num_rollouts, seed=config.engine.seed)
-        notes += validate_records(records, vocab_size, "embedded:default", **limits)
+    limits = {"max_positions": max_positions, "truncate": data.truncate_to_max_positions,
+              "off_mask_rewards": data.off_mask_rewards, "timestep_unit": data.timestep_unit}
+    if data.train_path in EMBEDDED_ROLLOUTS:
+        records = EMBEDDED_ROLLOUTS[data.train_path](data.num_rollouts, seed=config.engine.seed)
+        notes += validate_records(records, vocab_size, data.train_path, **limits)
         rollouts = to_rollouts(records)
+    elif data.train_path.startswith("embedded:"):
+        raise ValueError(f"data.train_path={data.train_path}: the embedded rollout sets are "
+                         f"{', '.join(EMBEDDED_ROLLOUTS)}; or give a .parquet / .jsonl file (docs/DATA.md)")
     else:
         rollouts = load_rollouts(data.train_path, vocab_size, notes=notes, **limits)
     if data.eval_path is not None:
@@ -103,42 +110,69 @@ def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.
     return out
 
 
+def critic_returns(rollouts: Rollouts, values: torch.Tensor, config: TrainConfig) -> torch.Tensor:
+    """GAE(data.gamma, data.lam_critic) returns of rollouts that bring rewards, in data.timestep_unit,
+    rewards off the response placed by data.off_mask_rewards. `values` are the critic's now
+    (unshifted [N, T]): GAE's values are the rollouts' old values when they brought them, else these;
+    a truncated row bootstraps from its entry at the row's last token (the state after it)."""
+    data = config.data
+    predictions = shift_to_tokens(values) * rollouts.response_mask
+    bootstrap = None
+    if rollouts.truncated is not None:
+        last = (rollouts.attention_mask.sum(dim=1) - 1).clamp(min=0)
+        bootstrap = values[torch.arange(len(rollouts)), last]
+    return gae(rollouts.rewards, rollouts.old_values if rollouts.brought_old_values else predictions,
+               rollouts.response_mask, data.gamma, data.lam_critic, turn_ids=rollouts.turn_ids,
+               timestep_unit=data.timestep_unit, truncated=rollouts.truncated, bootstrap_values=bootstrap,
+               off_mask_rewards=data.off_mask_rewards)[1]
+
+
 def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> Rollouts:
-    """Fill in old values (the initial critic's predictions; refresh_old_values renews them every
-    PPO iteration) and returns (GAE over the initial critic's values when given rewards)."""
+    """Fill in old values (the initial critic's predictions; renew_targets renews them every PPO
+    iteration) and returns (critic_returns with the initial critic's values when given rewards)."""
     if rollouts.old_values is None or rollouts.returns is None:
-        predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
+        values = _distributed_values(engine, rollouts, dist)
+        predictions = shift_to_tokens(values)
         check_model_values(predictions, rollouts.response_mask, config, "the initial critic's values")
         if rollouts.old_values is None:
             rollouts.old_values = predictions * rollouts.response_mask
         if rollouts.returns is None:
-            rollouts.returns = gae_returns(rollouts.rewards, rollouts.old_values, rollouts.response_mask,
-                                           config.data.gamma, config.data.lam_critic)
+            rollouts.returns = critic_returns(rollouts, values, config)
     return rollouts
 
 
-def refresh_old_values(engine, rollouts: Rollouts, rows: torch.Tensor, config: TrainConfig, dist: DistContext,
-                       step: int) -> None:
-    """A PPO iteration's old values for `rows`: the current critic's predictions (for rollouts that
-    brought none; see data.rollout_batch_size)."""
+def renew_targets(engine, rollouts: Rollouts, rows: torch.Tensor, config: TrainConfig, dist: DistContext,
+                  step: int, *, old_values: bool, returns: bool) -> None:
+    """A PPO iteration's targets for `rows` from the current critic: its predictions as old values
+    (for rollouts that brought none; see data.rollout_batch_size), and the returns (renews_returns)."""
     part = rollouts.select(rows)
-    predictions = shift_to_tokens(_distributed_values(engine, part, dist))
+    values = _distributed_values(engine, part, dist)
+    predictions = shift_to_tokens(values)
     check_model_values(predictions, part.response_mask, config, f"the critic's values after step {step}")
-    rollouts.old_values[rows, :predictions.shape[1]] = predictions * part.response_mask  # select() trims the padding
+    width = predictions.shape[1]  # select() trims the padding
+    if old_values:
+        rollouts.old_values[rows, :width] = predictions * part.response_mask
+        part = rollouts.select(rows)
+    if returns:
+        rollouts.returns[rows, :width] = critic_returns(part, values, config)
 
 
 def evaluate(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext) -> dict[str, float]:
     """Held-out value loss (unclipped, token-mean 0.5 * squared error; `mse` is the same number, the
-    name the train rows use for it) and explained variance of the current critic."""
-    predictions = shift_to_tokens(_distributed_values(engine, rollouts, dist))
+    name the train rows use for it) and explained variance of the current critic, over the tokens it
+    regresses (the value mask's, else the response's). Returns the job renews are the current
+    critic's here too (a truncated row's bootstrap)."""
+    values = _distributed_values(engine, rollouts, dist)
+    predictions = shift_to_tokens(values)
     check_model_values(predictions, rollouts.response_mask, config, "the critic's held-out values")
-    mask = rollouts.response_mask.bool()
-    error = (predictions - rollouts.returns)[mask]
+    returns = critic_returns(rollouts, values, config) if renews_returns(config, rollouts) else rollouts.returns
+    mask = rollouts.loss_mask.bool()
+    error = (predictions - returns)[mask]
     mse = float(0.5 * (error ** 2).mean()) if error.numel() else float("nan")
     return {
         "value_loss": mse,
         "mse": mse,
-        "explained_variance": explained_variance(predictions, rollouts.returns, rollouts.response_mask),
+        "explained_variance": explained_variance(predictions, returns, rollouts.loss_mask),
     }
 
 
@@ -163,7 +197,8 @@ def _sequence_split_note(parallel) -> str:
 
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
     part = rollouts.select(index)
-    return RolloutBatch(part.input_ids, part.attention_mask, part.response_mask, part.old_values, part.returns)
+    return RolloutBatch(part.input_ids, part.attention_mask, part.response_mask, part.old_values, part.returns,
+                        value_mask=part.value_mask)
 
 
 def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_builder=None,
@@ -194,10 +229,11 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
             say_resume(plan, say)
             prepared = torch.load(os.path.join(run_dir, PREPARED), weights_only=True)
             train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
-            refresh = bool(prepared.get("refresh_old_values", False))  # False: a run from before the refresh
+            # False: a run from before the renewal
+            refresh = Renewal(bool(prepared.get("refresh_old_values", False)), bool(prepared.get("renew_returns", False)))
         else:
             train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say)
-            refresh = refreshes_old_values(config, train)
+            refresh = renewal(config, train)
     latest = plan.resume.latest if resuming else None
     saved = plan.resume.saved if resuming else None
 
@@ -241,25 +277,49 @@ def say_resume(plan: JobPlan, say) -> None:
         say(line)
 
 
-def refreshes_old_values(config: TrainConfig, train: Rollouts) -> bool:
-    """Whether the job renews the old values every data.rollout_batch_size rollouts (they only centre
-    the value clip: not without one, and not when the rollouts bring their own); then
+@dataclasses.dataclass(frozen=True, slots=True)
+class Renewal:
+    """What the job takes from the current critic at the start of every PPO iteration
+    (data.rollout_batch_size rollouts of an epoch's order)."""
+
+    old_values: bool = False
+    """Old values: they centre the value clip (not without one, nor when the rollouts bring their own)."""
+    returns: bool = False
+    """Returns (renews_returns)."""
+
+    def __bool__(self) -> bool:
+        return self.old_values or self.returns
+
+
+def renews_returns(config: TrainConfig, rollouts: Rollouts) -> bool:
+    """Whether the returns of these rollouts move with the critic: they bring rewards, and a truncated
+    row bootstraps from the critic, or data.lam_critic < 1 weighs the critic's values (unless the
+    rollouts brought the old values GAE uses)."""
+    if rollouts.rewards is None:
+        return False
+    truncated = rollouts.truncated is not None and bool(rollouts.truncated.any())
+    return truncated or (config.data.lam_critic < 1 and not rollouts.brought_old_values)
+
+
+def renewal(config: TrainConfig, train: Rollouts) -> Renewal:
+    """What the job renews every PPO iteration for these (not yet prepared) rollouts; when anything,
     data.rollout_batch_size must be a multiple of data.mini_batch_size (ValueError naming the
     nearest that are)."""
-    if train.old_values is not None or config.engine.loss.clip_range is None:
-        return False
+    renew = Renewal(old_values=train.old_values is None and config.engine.loss.clip_range is not None,
+                    returns=renews_returns(config, train))
     batch, mini = config.data.iteration_rollouts, config.data.mini_batch_size
-    if batch is not None and batch % mini:
+    if renew and batch is not None and batch % mini:
         below, above = batch // mini * mini, (batch // mini + 1) * mini
         nearest = f"{below} or {above}" if below else f"{above}"
+        what = " and ".join(name for name, on in (("old values", renew.old_values), ("returns", renew.returns)) if on)
         raise ValueError(f"data.rollout_batch_size={batch} must be a multiple of data.mini_batch_size={mini} (the "
-                         f"mini-batches of one PPO iteration, whose old values the critic renews): use {nearest}, "
+                         f"mini-batches of one PPO iteration, whose {what} the critic renews): use {nearest}, "
                          f"leave it unset (4 x data.mini_batch_size), or null for one iteration per epoch")
-    return True
+    return renew
 
 
 def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts,
-           latest: str | None, resuming: bool, say, steps_per_epoch: int, *, refresh: bool,
+           latest: str | None, resuming: bool, say, steps_per_epoch: int, *, refresh: Renewal,
            critic_config) -> dict[str, float]:
     trainer = config.trainer
     main = dist.is_main
@@ -294,7 +354,8 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
         held_out = prepare_targets(engine, held_out, config, dist)
         if main:
             tmp = prepared_file + ".tmp"
-            torch.save({"train": _as_dict(train), "eval": _as_dict(held_out), "refresh_old_values": refresh}, tmp)
+            torch.save({"train": _as_dict(train), "eval": _as_dict(held_out), "refresh_old_values": refresh.old_values,
+                        "renew_returns": refresh.returns}, tmp)
             os.replace(tmp, prepared_file)
         barrier(world_group())
 
@@ -349,9 +410,10 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
 
 
 def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held_out: Rollouts, position: dict,
-            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int, *, refresh: bool, critic_config) -> int:
+            metrics_log: MetricsLogger, progress, say, steps_per_epoch: int, *, refresh: Renewal, critic_config) -> int:
     """The training loop from `position` to the last epoch; returns the last global step. `refresh`:
-    the rollouts brought no old values, so each PPO iteration starts by taking the current critic's."""
+    what each PPO iteration starts by taking from the current critic (old values the rollouts did not
+    bring, returns that move with it)."""
     trainer = config.trainer
     main = dist.is_main
     ckpt_root = os.path.join(os.path.abspath(trainer.run_dir), "checkpoints")
@@ -364,14 +426,14 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
     for epoch in range(position["epoch"], trainer.epochs):
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.engine.seed * 1000 + epoch))
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
-        if refresh and first % per_iteration:  # resumed inside an iteration: its old values came with the checkpoint
-            _restore_old_values(train, _iteration_rows(order, first, per_iteration, mini), position)
+        if refresh and first % per_iteration:  # resumed inside an iteration: its targets came with the checkpoint
+            _restore_targets(train, _iteration_rows(order, first, per_iteration, mini), position, refresh)
         for step_in_epoch in range(first, steps_per_epoch):
             rows = order[step_in_epoch * mini:(step_in_epoch + 1) * mini]
             if refresh and step_in_epoch % per_iteration == 0 and step > 0:  # step 0's: prepare_targets
                 with telemetry.compute_values():
-                    refresh_old_values(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini),
-                                       config, dist, step)
+                    renew_targets(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini),
+                                  config, dist, step, old_values=refresh.old_values, returns=refresh.returns)
             share = data_parallel_shares(train.attention_mask[rows], engine.dp_size)[engine.dp_rank]
             with telemetry.update(train.attention_mask[rows].sum(1)) as measured:
                 metrics = engine.update(_batch(train, rows[share]))  # a DP rank's share, balanced by tokens
@@ -393,7 +455,11 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
                 state = dict(next_position)
                 if refresh and next_position["step_in_epoch"] % per_iteration:  # the iteration goes on with these
                     iteration = _iteration_rows(order, next_position["step_in_epoch"], per_iteration, mini)
-                    state[OLD_VALUES] = train.old_values[iteration][train.response_mask[iteration].bool()]
+                    response = train.response_mask[iteration].bool()
+                    if refresh.old_values:
+                        state[OLD_VALUES] = train.old_values[iteration][response]
+                    if refresh.returns:
+                        state[RETURNS] = train.returns[iteration][response]
                 _save(engine, ckpt_root, step, state, trainer.keep_last, main, say)
         held = evaluate(engine, held_out, config, dist)
         metrics_log.log(step, held, prefix="eval", epoch=epoch + 1)
@@ -413,15 +479,20 @@ def _iteration_rows(order: torch.Tensor, step_in_epoch: int, per_iteration: int,
     return order[start * mini:(start + per_iteration) * mini]
 
 
-def _restore_old_values(train: Rollouts, rows: torch.Tensor, position: dict) -> None:
-    saved = position.get(OLD_VALUES)
+def _restore_targets(train: Rollouts, rows: torch.Tensor, position: dict, renewed: Renewal) -> None:
+    """The renewed targets of the PPO iteration a checkpoint stopped in, back into `train`."""
     mask = train.response_mask[rows].bool()
-    if saved is None or saved.numel() != int(mask.sum()):
-        raise ValueError(f"--resume: the checkpoint lacks the old values of the PPO iteration it stopped in (or they "
-                         f"do not fit {PREPARED}); resume from a checkpoint of this run")
-    old = torch.zeros(mask.shape, dtype=torch.float32)
-    old[mask] = saved.to(torch.float32)
-    train.old_values[rows] = old
+    for key, on in ((OLD_VALUES, renewed.old_values), (RETURNS, renewed.returns)):
+        if not on:
+            continue
+        saved = position.get(key)
+        if saved is None or saved.numel() != int(mask.sum()):
+            raise ValueError(f"--resume: the checkpoint lacks the {key.replace('_', ' ')} of the PPO iteration it "
+                             f"stopped in (or they do not fit {PREPARED}); resume from a checkpoint of this run")
+        target = getattr(train, key)
+        part = target[rows]
+        part[mask] = saved.to(target.dtype)
+        target[rows] = part
 
 
 def lora_line(lora) -> str:
@@ -433,7 +504,7 @@ def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
     """The trained critic's values next to the returns for the first response tokens of held-out rollout 0."""
     first = rollouts.select(torch.tensor([0]))
     predictions = shift_to_tokens(_distributed_values(engine, first, dist))[0]
-    tokens = first.response_mask[0].bool().nonzero().flatten()[:8]
+    tokens = first.loss_mask[0].bool().nonzero().flatten()[:8]
     values = [round(v, 3) for v in predictions[tokens].tolist()]
     returns = [round(r, 3) for r in first.returns[0, tokens].tolist()]
     return f"held-out rollout 0, first response tokens: values {values} vs returns {returns}"
@@ -483,7 +554,7 @@ def dry_run(plan: JobPlan, *, say=print) -> None:
         train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
     else:
         train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say)
-        refreshes_old_values(config, train)
+        renewal(config, train)
     tokens = int(train.attention_mask.sum())
     say(f"rollouts: {len(train)} train ({tokens} tokens), {len(held_out)} held out; config OK")
 

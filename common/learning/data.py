@@ -6,6 +6,10 @@ Schema (one rollout per row/line; docs/DATA.md):
   returns        list[float]  per-token return targets, same length            } one of
   rewards        list[float]  per-token rewards (GAE with the critic's values) } these two
   old_values     list[float]  optional: the rollout critic's predictions (else computed at start)
+  value_mask     list[int]    optional: 1 on the response tokens the critic regresses (default: all)
+  turn_ids       list[int]    optional: -1 off the response, the turn's index (>= 0, non-decreasing) on it
+  truncated      bool         optional, per row: cut off (a turn or token limit), not ended; its
+                              GAE returns bootstrap from the critic's value after its last token
 Per-token fields are aligned with input_ids: entry t belongs to token t, whose value the critic
 predicts at position t - 1. Token 0 can therefore never be a response token.
 """
@@ -19,9 +23,13 @@ import os
 
 import torch
 
+# gae: where callers have always found it (the GAE itself is common/learning/gae.py)
+from .gae import OFF_MASK_REWARDS, TIMESTEP_UNITS, gae, turn_ids_problem  # noqa: F401
+
 REQUIRED = ("input_ids", "response_mask")
 TARGETS = ("returns", "rewards")
 OPTIONAL = ("old_values",)
+AGENTIC = ("value_mask", "turn_ids")  # optional per-token fields of multi-turn rollouts (and `truncated`, per row)
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,14 +42,29 @@ class Rollouts:
     returns: torch.Tensor | None
     rewards: torch.Tensor | None
     old_values: torch.Tensor | None
+    value_mask: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    """bool [N]: rows cut off rather than ended."""
+    brought_old_values: bool = False
+    """old_values came with the rollouts (else the job fills them in from the critic)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens the critic regresses: value_mask, or the response."""
+        return self.response_mask if self.value_mask is None else self.value_mask
+
     def select(self, index) -> "Rollouts":
         """Rows `index`, trimmed to their longest sequence."""
         length = int(self.attention_mask[index].sum(dim=1).max()) if len(index) else 0
-        pick = lambda t: None if t is None else t[index, :length]  # noqa: E731
+
+        def pick(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            return value[index] if value.dim() == 1 else value[index, :length]
         return Rollouts(*(pick(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
@@ -112,17 +135,20 @@ def _per_token_problem(values, name: str, n: int) -> str | None:
     return None
 
 
-PER_TOKEN = ("input_ids", "response_mask") + TARGETS + OPTIONAL
+PER_TOKEN = ("input_ids", "response_mask") + TARGETS + OPTIONAL + AGENTIC
 
 
 def validate_records(records: list, vocab_size: int, source: str, *, max_positions: int | None = None,
-                     truncate: bool = False, targets: bool = True) -> list[str]:
+                     truncate: bool = False, targets: bool = True, off_mask_rewards: str = "error",
+                     timestep_unit: str = "token") -> list[str]:
     """Raise one ValueError that names the file, the row and the field for the first problems found.
 
     Rows longer than `max_positions` tokens are refused, or, with `truncate`, cut to that length in
-    place. `targets=False` (values only, no training) needs no returns or rewards. A field missing
-    from every row is one line. Returns notes worth telling the user (rows cut, rows without
-    response tokens).
+    place (a cut row with rewards is marked truncated: its returns bootstrap). `targets=False`
+    (values only, no training) needs no returns or rewards. A field missing from every row is one
+    line. The multi-turn fields (value_mask, turn_ids, truncated) and rewards off the response are
+    checked as data.off_mask_rewards and data.timestep_unit will use them. Returns notes worth
+    telling the user (rows cut, rows without response tokens).
     """
     if not records:
         raise ValueError(f"{source} holds no rollouts")
@@ -141,12 +167,16 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         problems.append(f"no 'returns' or 'rewards' field (fields present: {sorted(fields)}); every rollout needs one")
     elif len(has_target) == 2:
         problems.append("both 'returns' and 'rewards' are present; give exactly one")
-    with_old = [row for row, r in enumerate(records) if isinstance(r, dict) and r.get("old_values") is not None]
-    if with_old and len(with_old) < len(records):
-        have = set(with_old)
-        without = next(row for row in range(len(records)) if row not in have)
-        problems.append(f"row {without}: missing field 'old_values' (row {with_old[0]} has it); give old_values in "
-                        f"every row or in none")
+    if off_mask_rewards not in OFF_MASK_REWARDS:
+        raise ValueError(f"data.off_mask_rewards={off_mask_rewards!r}: use one of {', '.join(OFF_MASK_REWARDS)}")
+    if timestep_unit not in TIMESTEP_UNITS:
+        raise ValueError(f"data.timestep_unit={timestep_unit!r}: use one of {', '.join(TIMESTEP_UNITS)}")
+    for name in ("old_values", *AGENTIC):
+        problems += _all_or_none(records, name)
+    if timestep_unit == "turn" and targets and "rewards" in has_target and not any(
+            isinstance(r, dict) and r.get("turn_ids") is not None for r in records):
+        problems.append("data.timestep_unit=turn needs the field 'turn_ids' in every row (-1 off the response, the "
+                        "turn's index on it); give it, or use data.timestep_unit=token")
     truncated = no_response = 0
     for row, record in enumerate(records):
         if len(problems) >= 10:
@@ -165,7 +195,8 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
             problems.append(f"row {row}: {problem}")
             continue
         n = len(ids)
-        per_token = ("response_mask", *has_target[:1], *(f for f in OPTIONAL if record.get(f) is not None))
+        per_token = ("response_mask", *has_target[:1],
+                     *(f for f in OPTIONAL + AGENTIC if record.get(f) is not None))
         row_problems = [p for p in (_per_token_problem(record[name], name, n) for name in per_token) if p]
         if row_problems:
             problems += [f"row {row}: {p}" for p in row_problems]
@@ -179,6 +210,8 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
             for name in PER_TOKEN:
                 if record.get(name) is not None:
                     record[name] = record[name][:max_positions]
+            if record.get("rewards") is not None:
+                record["truncated"] = True  # cut off, not ended: its returns bootstrap from the critic
             truncated += 1
         mask = record["response_mask"]
         if any(m not in (0, 1) for m in mask):
@@ -188,9 +221,11 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
             problems.append(f"row {row}: response_mask[0] is 1, but the first token has no preceding state to value")
         no_response += not any(mask)
         for name in per_token[1:]:
-            bad = [i for i, (v, m) in enumerate(zip(record[name], mask)) if m and not math.isfinite(v)]
+            anywhere = name == "rewards"  # a reward off the response is moved, never ignored
+            bad = [i for i, (v, m) in enumerate(zip(record[name], mask)) if (m or anywhere) and not math.isfinite(v)]
             if bad:
-                problems.append(f"row {row}: {name} is NaN/inf at response positions {bad[:5]}")
+                problems.append(f"row {row}: {name} is NaN/inf at {'' if anywhere else 'response '}positions {bad[:5]}")
+        problems += [f"row {row}: {p}" for p in _agentic_problems(record, mask, off_mask_rewards if targets else None)]
     if not problems and no_response == len(records):
         problems.append("no row has a response token (response_mask is 0 everywhere), so there is nothing to train "
                         "on; mark the response tokens with 1")
@@ -203,6 +238,58 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         notes.append(f"warning: {no_response} of {len(records)} rollouts in {source} have no response tokens "
                      f"(response_mask all 0); they add nothing to training")
     return notes
+
+
+def _all_or_none(records: list, name: str) -> list[str]:
+    """A problem when some rows give the optional field `name` and others do not."""
+    having = [row for row, r in enumerate(records) if isinstance(r, dict) and r.get(name) is not None]
+    if not having or len(having) == len(records):
+        return []
+    have = set(having)
+    without = next(row for row in range(len(records)) if row not in have)
+    return [f"row {without}: missing field {name!r} (row {having[0]} has it); give {name} in every row or in none"]
+
+
+def _agentic_problems(record: dict, mask: list, off_mask_rewards: str | None) -> list[str]:
+    """What is wrong with a row's multi-turn fields and off-response rewards (its per-token fields
+    already have the right length and are numbers); off_mask_rewards None: rewards unused."""
+    problems = []
+    value_mask = record.get("value_mask")
+    if value_mask is not None:
+        if any(v not in (0, 1) for v in value_mask):
+            problems.append("value_mask must hold only 0 and 1")
+        else:
+            outside = [i for i, (v, m) in enumerate(zip(value_mask, mask)) if v and not m]
+            if outside:
+                problems.append(f"value_mask is 1 at positions {outside[:5]}, outside response_mask: the critic "
+                                f"regresses values of response tokens only")
+    turn_ids = record.get("turn_ids")
+    if turn_ids is not None:
+        if any(isinstance(t, float) and not t.is_integer() for t in turn_ids):
+            problems.append("turn_ids must be integers")
+        else:
+            problem = turn_ids_problem([int(t) for t in turn_ids], mask)
+            if problem:
+                problems.append(problem)
+    truncated = record.get("truncated")
+    if truncated is not None:
+        if truncated not in (True, False, 0, 1):
+            problems.append(f"truncated: expected true or false (per row), got {_kind(truncated)}")
+        elif truncated and record.get("returns") is not None:
+            problems.append("truncated is true in a row that gives returns: the job bootstraps truncated rows when it "
+                            "computes returns from rewards; give rewards, or returns that include your bootstrap")
+    rewards = record.get("rewards")
+    if rewards is not None and off_mask_rewards is not None and any(mask):  # a row without a response is warned of
+        off = [i for i, (r, m) in enumerate(zip(rewards, mask)) if not m and r != 0]
+        if off and off_mask_rewards == "error":
+            problems.append(f"a non-zero reward ({rewards[off[0]]:g}) at position {off[0]}, outside response_mask (a "
+                            f"trajectory that ends on a tool output?); it would be dropped: place it on a response "
+                            f"token, or set data.off_mask_rewards=previous to move it to the last response token "
+                            f"before it")
+        elif off and not any(mask[:off[0]]):
+            problems.append(f"a non-zero reward ({rewards[off[0]]:g}) at position {off[0]}, outside response_mask, "
+                            f"with no response token before it to move it to (data.off_mask_rewards=previous)")
+    return problems
 
 
 def to_rollouts(records: list[dict]) -> Rollouts:
@@ -221,15 +308,24 @@ def to_rollouts(records: list[dict]) -> Rollouts:
     attention_mask = torch.zeros(n, length, dtype=torch.long)
     for i, r in enumerate(records):
         attention_mask[i, : len(r["input_ids"])] = 1
+    turn_ids = padded("turn_ids", torch.long)
+    if turn_ids is not None:
+        turn_ids[attention_mask == 0] = -1  # padding is off the response
+    truncated = None
+    if any(r.get("truncated") for r in records):
+        truncated = torch.tensor([bool(r.get("truncated")) for r in records])
+    old_values = padded("old_values", torch.float32)
     return Rollouts(input_ids, attention_mask, padded("response_mask", torch.long), padded("returns", torch.float32),
-                    padded("rewards", torch.float32), padded("old_values", torch.float32))
+                    padded("rewards", torch.float32), old_values, value_mask=padded("value_mask", torch.long),
+                    turn_ids=turn_ids, truncated=truncated, brought_old_values=old_values is not None)
 
 
 def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = None, truncate: bool = False,
-                  notes: list[str] | None = None) -> Rollouts:
-    """Read and validate a rollout file; what validate_records reports is appended to `notes`."""
+                  notes: list[str] | None = None, **fields) -> Rollouts:
+    """Read and validate a rollout file; what validate_records reports is appended to `notes`.
+    `fields`: validate_records' off_mask_rewards and timestep_unit."""
     records = read_records(path)
-    found = validate_records(records, vocab_size, path, max_positions=max_positions, truncate=truncate)
+    found = validate_records(records, vocab_size, path, max_positions=max_positions, truncate=truncate, **fields)
     if notes is not None:
         notes += found
     return to_rollouts(records)
@@ -253,64 +349,10 @@ def split_held_out(rollouts: Rollouts, data, *, seed: int) -> tuple[Rollouts, Ro
     return train, held_out
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam_critic: float,
-        lam_policy: float | None = None, length_adaptive_alpha: float | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled GAE over each row's response tokens: (advantages for the policy, returns for the
-    critic), both [N, T] and zero off the response.
-
-    returns    = GAE(gamma, lam_critic) advantages + values (lam_critic = 1: Monte-Carlo returns,
-                 what VAPO and VC-PPO train the critic on);
-    advantages = GAE(gamma, lam) with lam = lam_policy, or, with length_adaptive_alpha = a, per row
-                 lam = 1 - 1 / (a * L) for a response of L tokens (VAPO: a = 0.05), clamped to
-                 [0, 1] (short responses get 0: one-step TD); neither given: lam_critic.
-
-    The recursion runs over the response tokens in order, skipping non-response tokens (tool output
-    between turns): they are compacted to the left of an [N, R] buffer, and the zeros after each
-    row's last token end it (next value 0, next advantage 0). `values` are the critic's predictions
-    for those tokens.
-    """
-    if lam_policy is not None and length_adaptive_alpha is not None:
-        raise ValueError("gae: pass lam_policy or length_adaptive_alpha, not both")
-    if length_adaptive_alpha is not None and not length_adaptive_alpha > 0:
-        raise ValueError(f"gae: length_adaptive_alpha={length_adaptive_alpha} must be > 0")
-    mask = response_mask.bool()
-    counts = mask.sum(dim=1)
-    width = int(counts.max()) if counts.numel() else 0
-    slots = torch.arange(width)[None] < counts[:, None]
-    r = torch.zeros(rewards.shape[0], width, dtype=torch.float64)
-    v = torch.zeros_like(r)
-    r[slots], v[slots] = rewards[mask].double(), values[mask].double()
-
-    def advantages_with(lam: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(r)
-        next_value = next_advantage = torch.zeros(rewards.shape[0], dtype=torch.float64)
-        for t in range(width - 1, -1, -1):
-            delta = r[:, t] + gamma * next_value - v[:, t]
-            next_advantage = delta + gamma * lam * next_advantage
-            out[:, t] = next_advantage
-            next_value = v[:, t]
-        return out
-
-    rows = rewards.shape[0]
-    critic_adv = advantages_with(torch.full((rows,), float(lam_critic), dtype=torch.float64))
-    if length_adaptive_alpha is not None:
-        lam = (1.0 - 1.0 / (length_adaptive_alpha * counts.double().clamp(min=1))).clamp(0.0, 1.0)
-        policy_adv = advantages_with(lam)
-    elif lam_policy is not None and lam_policy != lam_critic:
-        policy_adv = advantages_with(torch.full((rows,), float(lam_policy), dtype=torch.float64))
-    else:
-        policy_adv = critic_adv
-    returns, advantages = torch.zeros_like(rewards), torch.zeros_like(rewards)
-    returns[mask] = (critic_adv + v)[slots].to(rewards.dtype)
-    advantages[mask] = policy_adv[slots].to(rewards.dtype)
-    return advantages, returns
-
-
 def gae_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                gamma: float, lam: float) -> torch.Tensor:
-    """The critic's GAE(gamma, lam) returns alone (gae's second output)."""
-    return gae(rewards, values, response_mask, gamma, lam)[1]
+                gamma: float, lam: float, **multi_turn) -> torch.Tensor:
+    """The critic's GAE(gamma, lam) returns alone (gae's second output); `multi_turn`: gae's keywords."""
+    return gae(rewards, values, response_mask, gamma, lam, **multi_turn)[1]
 
 
 # --- the embedded default rollout set -----------------------------------------------------------

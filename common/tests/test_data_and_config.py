@@ -33,10 +33,13 @@ def test_gae_matches_hand_computation():
 
 
 def test_gae_skips_non_response_tokens_between_turns():
-    rewards = torch.tensor([[0.0, 1.0, 5.0, 1.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
     mask = torch.tensor([[0, 1, 0, 1]])  # token 2 is tool output: not part of the trajectory
-    out = gae_returns(rewards, torch.zeros(1, 4), mask, 1.0, 1.0)
-    assert out[0].tolist() == [0.0, 2.0, 0.0, 1.0]
+    out = gae_returns(rewards, torch.ones(1, 4), mask, 0.5, 0.0)  # one-step TD: the next response token's value
+    assert out[0].tolist() == [0.0, 1.5, 0.0, 1.0]
+    # A reward on it was dropped once (issue 42); it is refused now (common/tests/test_gae.py has the rest).
+    with pytest.raises(ValueError, match="row 0 has reward 5.0 at position 2, outside response_mask"):
+        gae_returns(torch.tensor([[0.0, 1.0, 5.0, 1.0]]), torch.zeros(1, 4), mask, 1.0, 1.0)
 
 
 def test_parquet_and_jsonl_read_the_same(tmp_path):
@@ -107,8 +110,11 @@ def test_the_ppo_iteration_follows_the_mini_batch_and_is_checked_only_where_it_r
     # Issue 40, 6: data.mini_batch_size=12 alone was refused against a fixed default of 256.
     import torch
 
-    from critic_adapters.common.job.trainer import refreshes_old_values
+    from critic_adapters.common.job.trainer import renewal
     from critic_adapters.common.learning.data import Rollouts
+
+    def refreshes_old_values(config, rollouts):
+        return renewal(config, rollouts).old_values
 
     assert load_train_config([], ["data.mini_batch_size=12"]).data.iteration_rollouts == 48
     assert load_train_config([], []).data.iteration_rollouts == 256  # 4 x the default 64, as before
@@ -127,6 +133,17 @@ def test_the_ppo_iteration_follows_the_mini_batch_and_is_checked_only_where_it_r
     small = load_train_config([], ["data.mini_batch_size=12", "data.rollout_batch_size=5"])
     with pytest.raises(ValueError, match="use 12,"):
         refreshes_old_values(small, without_old)
+    # Issue 42: returns a truncated row bootstraps from the critic are renewed too (and checked), with
+    # or without a clip and old values in the data; rows that end all keep the returns they started with.
+    truncated = Rollouts(ids, ids, ids, returns=None, rewards=torch.zeros(2, 3), old_values=torch.zeros(2, 3),
+                         truncated=torch.tensor([True, False]), brought_old_values=True)
+    with pytest.raises(ValueError, match="whose returns the critic renews"):
+        renewal(unclipped, truncated)
+    fits = load_train_config([], ["data.mini_batch_size=12", "data.rollout_batch_size=96", "engine.loss.clip_range=null"])
+    assert renewal(fits, truncated).returns and not renewal(fits, truncated).old_values
+    ended = Rollouts(ids, ids, ids, returns=None, rewards=torch.zeros(2, 3), old_values=None)
+    assert not renewal(fits, ended)
+    assert renewal(load_train_config([], ["data.lam_critic=0.95"]), ended).returns  # GAE weighs the critic's values
 
 
 def test_a_resume_may_change_the_expert_and_replicate_degrees_but_not_what_it_computes(tmp_path):

@@ -8,7 +8,6 @@ every actor reads from the object store, without a copy through the driver per a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 
@@ -18,7 +17,7 @@ from ...common.parallel.batching import data_parallel_shares
 
 
 def _share(batch, rows: torch.Tensor):
-    return type(batch)(**{field.name: getattr(batch, field.name)[rows] for field in dataclasses.fields(batch)})
+    return batch.map(lambda tensor: tensor[rows])
 
 
 class CriticWorker:

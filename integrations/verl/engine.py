@@ -18,6 +18,10 @@ sequence (verl's left_right_2_no_padding). This engine:
     average gradients over the data-parallel ranks, as verl's own engines do;
   - returns verl's output layout (postprocess_batch_func): model_output.values, loss, metrics.
 
+A batch may carry a value_mask (agentic stacks, VAGEN's verl fork: the response tokens whose
+values the critic regresses, in response_mask's layout). verl's value_loss masks by response_mask
+and the token count comes from loss_mask, so both are narrowed to it first (apply_value_mask).
+
 Checkpoints are our engine's (save_checkpoint / load_checkpoint at verl's local_path; any of our
 backends' formats, resharded on load). The critic comes from any format load_critic reads.
 """
@@ -63,6 +67,56 @@ def as_nested(values: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor) -
     """[B, L] values at every position -> verl's jagged layout: one value per valid token."""
     flat = values[mask.to(values.device).bool()]
     return torch.nested.nested_tensor_from_jagged(flat, offsets=offsets.to(flat.device))
+
+
+def apply_value_mask(data) -> tuple[int, str | None]:
+    """response_mask and loss_mask of `data` ANDed with its value_mask, in place, so that verl's
+    value_loss and the global token count (batch_num_tokens) see only the tokens it marks. It has
+    response_mask's layout: padded [B, R] (left_right_2_no_padding keeps response_mask so and makes
+    loss_mask the same tensor) or nested over each row's response tokens (the v1 trainer's batches,
+    loss_mask the same mask). Idempotent, so another epoch over the same mini-batch changes nothing.
+    Returns (value_mask tokens outside response_mask, a layout problem or None), for the caller to
+    raise on every rank together; (0, None) without the key, and nothing changes."""
+    value_mask = data.get("value_mask", None)
+    if value_mask is None:
+        return 0, None
+    response_mask, loss_mask = data["response_mask"], data["loss_mask"]
+    for name, mask in (("response_mask", response_mask), ("loss_mask", loss_mask)):
+        if not same_layout(mask, value_mask):
+            return 0, (f"value_mask must have response_mask's layout (both padded [B, R] or both nested over the "
+                       f"same rows' tokens); got value_mask {layout(value_mask)} and {name} {layout(mask)}")
+    outside = int((flat(value_mask).bool() & ~flat(response_mask).bool()).sum())
+    data["response_mask"] = intersect(response_mask, value_mask)
+    data["loss_mask"] = intersect(loss_mask, value_mask)
+    return outside, None
+
+
+def flat(mask: torch.Tensor) -> torch.Tensor:
+    return mask.values() if mask.is_nested else mask
+
+
+def layout(mask: torch.Tensor) -> str:
+    return f"nested {mask.offsets().diff().tolist()}" if mask.is_nested else f"padded {list(mask.shape)}"
+
+
+def same_layout(mask: torch.Tensor, other: torch.Tensor) -> bool:
+    if mask.is_nested != other.is_nested:
+        return False
+    if mask.is_nested:
+        return torch.equal(mask.offsets().cpu(), other.offsets().cpu())
+    return mask.shape == other.shape
+
+
+def intersect(mask: torch.Tensor, value_mask: torch.Tensor) -> torch.Tensor:
+    """mask AND value_mask, in mask's layout and dtype. A nested one keeps mask's offsets and is given
+    its rows' shortest and longest lengths: without them to_padded_tensor (value_loss's) pads to the
+    total length."""
+    both = (flat(mask).bool() & flat(value_mask).bool()).to(mask.dtype)
+    if not mask.is_nested:
+        return both
+    lengths = mask.offsets().diff()
+    return torch.nested.nested_tensor_from_jagged(both, offsets=mask.offsets(), min_seqlen=int(lengths.min()),
+                                                  max_seqlen=int(lengths.max()))
 
 
 class CriticAdaptersEngine(BaseEngine):
@@ -166,7 +220,17 @@ class CriticAdaptersEngine(BaseEngine):
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         """verl's micro-batches through our engine; verl's output layout (see the module docstring)."""
         group = self.get_data_parallel_group()
-        (tokens,) = all_reduce([float(data["loss_mask"].sum())], group=group)
+        outside, problem = apply_value_mask(data)
+        # One collective for the global token count and value_mask's errors (raised on every rank together).
+        tokens, outside, problems = all_reduce([float(data["loss_mask"].sum()), float(outside), float(bool(problem))],
+                                               group=group)
+        if problems:
+            raise ValueError(problem or "another data-parallel rank's value_mask does not have its response_mask's "
+                                        "layout")
+        if outside:
+            raise ValueError(f"value_mask marks {int(outside)} token(s) outside response_mask (over the data-parallel "
+                             f"ranks): the critic regresses values of response tokens only; pass a subset of it "
+                             f"(value_mask & response_mask)")
         tu.assign_non_tensor(data, batch_num_tokens=int(tokens), dp_size=self.get_data_parallel_size())
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)

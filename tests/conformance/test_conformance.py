@@ -139,6 +139,22 @@ def test_token_balanced_shares_change_where_the_work_runs_not_the_step(run):
         assert shares["values_diff"] <= 1e-5, shares
 
 
+def test_an_update_with_a_value_mask_counts_only_those_tokens(run):
+    """RolloutBatch.value_mask: the loss, its normalisation over both ranks' micro-batches and the
+    step are those of a loss over the value-mask tokens alone (a reference computed from the values
+    before the step; the same step as response_mask = value_mask), not the plain step's."""
+    _, _, ranks = run
+    for rank in ranks:
+        step = rank["value_mask"]
+        masked, reference = step["masked"], step["reference"]
+        assert masked["value_loss"] == pytest.approx(reference["value_loss"], rel=1e-5, abs=1e-7), step
+        assert masked["valid_tokens"] == reference["valid_tokens"] < step["plain"]["valid_tokens"], step
+        for key in ("value_loss", "grad_norm", "explained_variance"):
+            assert masked[key] == pytest.approx(step["as_response"][key], rel=1e-6, abs=1e-7), (key, step)
+        assert step["after_diff"]["as_response"] <= 1e-6, step
+        assert step["after_diff"]["plain"] > 1e-5, step  # the mask changed the step
+
+
 def test_the_critic_steps_off_the_device_and_back_between_phases(run):
     _, _, ranks = run
     for rank in ranks:

@@ -5,7 +5,7 @@ ranks, each rank writing what it saw to WORKDIR/rank<r>.json (test_conformance.p
 
 In order: a warm-up engine (lazy imports may install their own warning filters or attention
 names once), then a snapshot of the process's state; an engine's coordinates; a save that fails on
-rank 0 only; NaN returns on rank 1 only; an update, a save, an HF export, an offload cycle and the next update, a second engine loading
+rank 0 only; an update with a value mask; NaN returns on rank 1 only; an update, a save, an HF export, an offload cycle and the next update, a second engine loading
 that checkpoint and taking the same update; then, from that export, one engine at each model-parallel layout of two ranks the
 backend's spec offers (tensor, pipeline, context, ulysses at degree 2; `layouts`) calling every
 method of the contract; close, then every patched function, environment variable, RNG and warning
@@ -185,6 +185,46 @@ def shares_change_where_not_what(engine, checkpoint: str) -> dict:
                      "largest_share_tokens": max(int(batch.attention_mask[s].sum()) for s in shares)}
     engine.load_checkpoint(checkpoint)
     out["values_diff"] = float((out["strided"].pop("values") - out["balanced"].pop("values")).abs().max())
+    return out
+
+
+def value_mask_step(engine, checkpoint: str) -> dict:
+    """One update with a value mask from the checkpoint (the skewed mini-batch, balanced shares: several
+    micro-batches on a rank; every other response token, and a whole row less on rank 1, so the ranks
+    count different numbers of tokens), beside the same update with response_mask = that mask and the
+    plain one; the loss the step reports against the clipped loss computed here from the values before
+    it over the value-mask tokens of every rank. Leaves the engine at the checkpoint."""
+    import dataclasses
+
+    from critic_adapters.common.engine import shift_to_tokens
+    from critic_adapters.common.learning.loss import value_loss
+
+    whole = skewed_rollout()
+    mine = data_parallel_shares(whole.attention_mask, engine.dp_size)[engine.dp_rank]
+    batch = whole.map(lambda tensor: tensor[mine])
+    value_mask = batch.response_mask.clone()
+    value_mask[:, ::2] = 0
+    if engine.dp_rank == 1:
+        value_mask[0] = 0
+    steps = {"masked": dataclasses.replace(batch, value_mask=value_mask),
+             "as_response": dataclasses.replace(batch, response_mask=value_mask),
+             "plain": batch}
+    out, after = {}, {}
+    for name, step in steps.items():
+        engine.load_checkpoint(checkpoint)
+        before = shift_to_tokens(engine.compute_values(whole.input_ids, whole.attention_mask))
+        metrics = engine.update(step)
+        out[name] = {k: metrics[k] for k in ("value_loss", "grad_norm", "valid_tokens", "explained_variance")}
+        after[name] = engine.compute_values(whole.input_ids, whole.attention_mask)
+    engine.load_checkpoint(checkpoint)
+    # Every rank's share of the mini-batch, gathered: the reference loss over the value-mask tokens.
+    shares = all_gather_object((mine, value_mask), group=engine.dp_group)
+    full_mask = torch.zeros_like(whole.response_mask)
+    for rows, mask in shares:
+        full_mask[rows] = mask
+    reference, stats = value_loss(before, whole.old_values, whole.returns, full_mask, clip_range=0.2)
+    out["reference"] = {"value_loss": float(reference), "valid_tokens": stats["valid_tokens"]}
+    out["after_diff"] = {name: float((after[name] - after["masked"]).abs().max()) for name in ("as_response", "plain")}
     return out
 
 
@@ -386,6 +426,7 @@ def main() -> None:
         (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_at_save)
         .abs().max())
     out["shares"] = shares_change_where_not_what(engine, good)
+    out["value_mask"] = value_mask_step(engine, good)
 
     values_before_nan = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     try:

@@ -2,8 +2,8 @@
 in the verl overlay (tools/setup.sh: .overlays/verl-0.9.1, transformers 5.10.4), in verl_worker.py
 processes (the one-process checks batched into two processes, the two-process ones into one
 torchrun): values equal our compute_values, one update equals verl's own fsdp2 value-model engine on
-the same weights, a checkpoint resumes bit-identically, and critics from other formats train there
-with their heads."""
+the same weights, a value_mask in verl's batch trains as that response_mask would, a checkpoint
+resumes bit-identically, and critics from other formats train there with their heads."""
 
 import os
 import re
@@ -115,6 +115,9 @@ def critic_dir(tmp_path_factory):
 PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp-offload", 1), ("megatron-offload", 1),
                ("veomni-offload", 1), ("fsdp-paramoffload", 1), ("fsdp-optoffload", 1), ("fsdp", 2),
                ("megatron-tp2", 2), ("fsdp-sp2", 2), ("megatron-cp2", 2), ("megatron-tp2-offload", 2)]
+# A value_mask key in verl's batch (issue 42), in the same worker runs: on 2 processes it must be
+# counted over both data-parallel ranks.
+VALUE_MASK_RUNS = [("fsdp", 1), ("fsdp", 2)]
 PEERS = ("-tp2", "-sp2", "-cp2")  # model-parallel peers: verl collects outputs from the first rank of each
 
 
@@ -130,41 +133,47 @@ def held_off_device(backend: str) -> list[str]:
     return sorted(held | ({"optimizer"} if {"offload", "optoffload"} & set(parts) else set()))
 
 
+def worker_runs(processes: int) -> list[tuple[str, str]]:
+    """(check, backend) of verl_worker's runs on `processes` processes: parity, then value_mask."""
+    return ([("parity", backend) for backend, n in PARITY_RUNS if n == processes]
+            + [("value_mask", backend) for backend, n in VALUE_MASK_RUNS if n == processes])
+
+
 @pytest.fixture(scope="module")
 def single_process_parity(critic_dir, tmp_path_factory) -> dict:
-    """The one-process parity runs, every backend's one after another in one verl-overlay process
-    (one interpreter start for the three): {backend: its result}."""
+    """The one-process runs (worker_runs), every backend's one after another in one verl-overlay
+    process (one interpreter start for all): {(check, backend): its result}."""
     import json
 
-    backends = [backend for backend, processes in PARITY_RUNS if processes == 1]
+    runs = worker_runs(1)
     results = run_check("batch", tmp_path_factory.mktemp("parity"),
-                        json.dumps([["parity", critic_dir, backend] for backend in backends]))
-    return dict(zip(backends, results))
+                        json.dumps([[check, critic_dir, backend] for check, backend in runs]))
+    return dict(zip(runs, results))
 
 
 @pytest.fixture(scope="module")
 def two_process_parity(critic_dir, tmp_path_factory) -> dict:
-    """The two-process parity runs one after another in one torchrun of two verl-overlay processes
-    (each run's engine closed before the next: megatron keeps one layout per process):
-    {backend: the per-rank results}."""
+    """The two-process runs (worker_runs) one after another in one torchrun of two verl-overlay
+    processes (each run's engine closed before the next: megatron keeps one layout per process):
+    {(check, backend): the per-rank results}."""
     import json
 
-    backends = [backend for backend, processes in PARITY_RUNS if processes == 2]
+    runs = worker_runs(2)
     out = tmp_path_factory.mktemp("parity2") / "parity.pt"
     command = torchrun_command(2, "critic_adapters.tests.verl.verl_worker", "batch", str(out),
-                               json.dumps([["parity", critic_dir, backend] for backend in backends]))
+                               json.dumps([[check, critic_dir, backend] for check, backend in runs]))
     result = subprocess.run(command, env=overlay_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"parity {backends} on 2 failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, f"{runs} on 2 failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     ranks = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(2)]
-    return {backend: [rank[i] for rank in ranks] for i, backend in enumerate(backends)}
+    return {run: [rank[i] for rank in ranks] for i, run in enumerate(runs)}
 
 
-def run_parity(backend: str, processes: int, request) -> list[dict]:
-    """verl_worker parity on each process: the per-rank results."""
+def run_parity(backend: str, processes: int, request, check: str = "parity") -> list[dict]:
+    """verl_worker CHECK (parity or value_mask) on each process: the per-rank results."""
     if processes == 1:
-        return [request.getfixturevalue("single_process_parity")[backend]]
+        return [request.getfixturevalue("single_process_parity")[check, backend]]
     assert processes == 2, processes
-    return request.getfixturevalue("two_process_parity")[backend]
+    return request.getfixturevalue("two_process_parity")[check, backend]
 
 
 @pytest.mark.parametrize("backend,processes", PARITY_RUNS, ids=[f"{b}-{n}" for b, n in PARITY_RUNS])
@@ -207,6 +216,29 @@ def test_values_and_one_update_equal_verls_own_engine(backend, processes, reques
             assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
             assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)
     assert checked == processes // (2 if has_peers(backend) else 1)
+
+
+@pytest.mark.parametrize("backend,processes", VALUE_MASK_RUNS, ids=[f"{b}-{n}" for b, n in VALUE_MASK_RUNS])
+def test_a_value_mask_in_verls_batch_trains_as_that_response_mask(backend, processes, request):
+    """issue 42: a value_mask key (VAGEN's verl fork) narrows verl's value_loss and its global token
+    count to those tokens: the step equals one whose response_mask is response_mask & value_mask (the
+    same critic and batch), padded and in the v1 layout, and differs from the step without it."""
+    parity = run_parity(backend, processes, request)
+    for rank, result in enumerate(run_parity(backend, processes, request, check="value_mask")):
+        key, replaced, unmasked = result["key"], result["response_mask"], parity[rank][backend]
+        assert 0 < int(result["value_mask"].sum()) < int(unmasked["response_mask"].sum())  # it drops tokens here
+        for metrics in ("metrics", "v1_metrics"):
+            for name in ("critic/vf_loss", "grad_norm"):
+                assert float(key[metrics][name][0]) == pytest.approx(float(replaced[metrics][name][0]), rel=1e-6,
+                                                                   abs=1e-7), (metrics, name)
+            assert float(key[metrics]["critic/vf_loss"][0]) != pytest.approx(
+                float(unmasked[metrics]["critic/vf_loss"][0]), rel=1e-3), metrics  # the value_mask changed the step
+        for values in ("after", "v1_after"):
+            assert torch.allclose(key[values], replaced[values], atol=1e-6), values
+        assert not torch.allclose(key["after"], unmasked["after"], atol=1e-5)
+        # A value_mask outside response_mask (one token, on the last rank's rows only) is refused on every rank.
+        assert result["errors"]["outside"].startswith("value_mask marks 1 token(s) outside response_mask"), result["errors"]
+        assert result["errors"]["shape"].startswith("value_mask must have response_mask's layout"), result["errors"]
 
 
 def readme_verl_section() -> str:

@@ -9,6 +9,10 @@ CHECK:
                              fsdp2 value-model engine, the same critic and global batch: values
                              before, one train_mini_batch, values after; what our engine holds off
                              its device after reset and after each phase
+  value_mask MODEL_DIR BACKEND   one train_mini_batch with a value_mask key in verl's batch and one
+                             with response_mask replaced by response_mask & value_mask (parity's
+                             critic and batch, a fresh worker each), padded then in the v1 layout;
+                             the errors for a value_mask outside response_mask or of another layout
   resume MODEL_DIR BACKEND WORKDIR   a step, save_checkpoint, a step; a new worker loads the
                              checkpoint and takes the same step
   formats DIR...             per critic directory: our engine's values through verl's infer_batch
@@ -167,9 +171,10 @@ def infer(worker, tensors) -> torch.Tensor | None:
     return no_padding_2_padding(tu.get(output, "values"), td).float() * tensors["response_mask"]
 
 
-def train(worker, tensors, old_values, returns) -> dict:
-    """One update on the whole batch (verl's _update_critic: train_mini_batch); its metrics."""
-    td = verl_batch(tensors, {"values": old_values, "returns": returns})
+def train(worker, tensors, old_values, returns, extra: dict | None = None) -> dict:
+    """One update on the whole batch (verl's _update_critic: train_mini_batch), `extra` keys added
+    to it; its metrics."""
+    td = verl_batch(tensors, {"values": old_values, "returns": returns, **(extra or {})})
     tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False})
     output = worker.train_mini_batch(td)
@@ -179,10 +184,11 @@ def train(worker, tensors, old_values, returns) -> dict:
     return {key: value for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
 
 
-def v1_batch(tensors: dict, old_values=None, returns=None):
+def v1_batch(tensors: dict, old_values=None, returns=None, value_mask=None, value_mask_as: str = "key"):
     """The same rows in the layout of verl's v1 trainer (its default, trainer.use_v1): every
     per-sample field nested, responses' values and returns nested over their tokens, no
-    attention_mask."""
+    attention_mask. A value_mask ([B, R]) goes in nested the same way, as the key value_mask
+    (value_mask_as="key") or as response_mask and loss_mask themselves ("response_mask")."""
     rows = []
     for i in range(tensors["input_ids"].shape[0]):
         valid = tensors["attention_mask"][i].bool()
@@ -193,20 +199,23 @@ def v1_batch(tensors: dict, old_values=None, returns=None):
                "loss_mask": torch.ones(response, dtype=torch.long)}
         if old_values is not None:
             row.update(values=old_values[i, :response], returns=returns[i, :response])
+        if value_mask is not None:
+            kept = value_mask[i, :response]
+            row.update({"value_mask": kept} if value_mask_as == "key" else {"response_mask": kept, "loss_mask": kept})
         rows.append(row)
     td = tu.list_of_dict_to_tensordict(rows)
     tu.assign_non_tensor(td, temperature=1.0)
     return td
 
 
-def v1_step(worker, tensors, old_values, returns) -> tuple[torch.Tensor | None, dict | None]:
+def v1_step(worker, tensors, old_values, returns, **masks) -> tuple[torch.Tensor | None, dict | None]:
     """verl's v1 trainer's critic calls on `tensors`: values ([B, R], read back with verl's own
-    no_padding_2_padding) and one train_mini_batch's metrics."""
-    td = v1_batch(tensors)
+    no_padding_2_padding) and one train_mini_batch's metrics (masks: v1_batch's value_mask keys)."""
+    td = v1_batch(tensors, **masks)
     tu.assign_non_tensor(td, compute_loss=False)
     output = worker.infer_batch(td)
     values = None if output is None else no_padding_2_padding(tu.get(output, "values"), td).float()
-    td = v1_batch(tensors, old_values, returns)
+    td = v1_batch(tensors, old_values, returns, **masks)
     tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False})
     output = worker.train_mini_batch(td)
@@ -258,6 +267,46 @@ def parity(model_dir: str, backend: str) -> dict:
         close = getattr(getattr(worker.engine, "engine", None), "close", None)
         if close is not None:  # megatron keeps one layout per process: the next run may want another
             close()
+        del worker
+    return out
+
+
+# Per sequence of the global batch (responses of 6, 2, 4, 5 tokens): how many leading response tokens
+# the value_mask keeps (the rest as if after a terminal turn), so that the ranks' shares differ.
+VALUE_TOKENS = [4, 1, 3, 5]
+
+
+def value_mask(model_dir: str, backend: str) -> dict:
+    """A value_mask key in verl's batch against response_mask replaced by response_mask & value_mask:
+    per form, a fresh worker on parity's critic and batch, one train_mini_batch's metrics and the
+    values after it, then the v1 layout's; then, on the key's worker, the errors for a value_mask
+    outside response_mask (one token, on the last data-parallel rank's rows only) and of another shape."""
+    tensors, returns = padded_batch()
+    share = share_rows()
+    mask = tensors["response_mask"] * (torch.arange(R)[None] < torch.tensor(VALUE_TOKENS)[share, None])
+    reference = our_values(model_dir, tensors)
+    out = {"value_mask": mask}
+    for form in ("key", "response_mask"):
+        worker = make_worker(model_dir, backend)
+        if form == "key":
+            metrics = train(worker, tensors, reference, returns, {"value_mask": mask})
+        else:
+            metrics = train(worker, {**tensors, "response_mask": mask}, reference, returns)
+        after = infer(worker, tensors)
+        _, v1_metrics = v1_step(worker, tensors, reference, returns, value_mask=mask, value_mask_as=form)
+        out[form] = {"metrics": metrics, "after": after, "v1_metrics": v1_metrics, "v1_after": infer(worker, tensors)}
+        if form == "key":
+            outside = torch.zeros(B, R, dtype=mask.dtype)
+            outside[B - 1, R - 1] = 1  # past the last sequence's response
+            errors = {}
+            for name, bad in (("outside", mask | outside[share]), ("shape", mask[:, :-1])):
+                try:
+                    train(worker, tensors, reference, returns, {"value_mask": bad})
+                    errors[name] = None
+                except ValueError as err:
+                    errors[name] = str(err)
+            out["errors"] = errors
+        worker.engine.engine.close()
         del worker
     return out
 
@@ -371,7 +420,8 @@ def yaml(readme_yaml: str, *overrides: str) -> dict:
             "path": mapped.model.path}
 
 
-CHECKS = {"parity": parity, "resume": resume, "formats": formats, "config": config, "yaml": yaml}
+CHECKS = {"parity": parity, "value_mask": value_mask, "resume": resume, "formats": formats, "config": config,
+          "yaml": yaml}
 
 
 def main():

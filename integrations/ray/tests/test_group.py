@@ -357,6 +357,42 @@ def test_the_group_has_the_whole_contract_and_its_step_in_pieces_is_one_engines(
         engine.close()
 
 
+def test_an_update_with_a_value_mask_reaches_every_actor_and_counts_only_those_tokens(fsdp_group, models, batch_file,
+                                                                                      tmp_path):
+    """RolloutBatch.value_mask through the group (each actor takes its rows of it): the step equals an
+    in-process engine's from the same checkpoint, and its loss is the clipped loss over the value-mask
+    tokens alone, normalised over both actors' shares."""
+    import dataclasses
+
+    from critic_adapters.common.engine import shift_to_tokens
+    from critic_adapters.common.engine.registry import build_engine
+    from critic_adapters.common.learning.loss import value_loss
+    from critic_adapters.common.parallel.distributed import init_distributed
+
+    group, batch = fsdp_group, rollout_batch(batch_file)
+    value_mask = batch.response_mask.clone()
+    value_mask[:, 1::3] = 0
+    value_mask[0] = 0
+    masked = dataclasses.replace(batch, value_mask=value_mask)
+    group.save_checkpoint(str(tmp_path / "ckpt"))
+    engine = build_engine("fsdp", engine_config(models["qwen2"]), init_distributed())
+    try:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        before = shift_to_tokens(group.compute_values(batch.input_ids, batch.attention_mask))
+        ours, reference = group.update(masked), engine.update(masked)
+        expected, _ = value_loss(before, batch.old_values, batch.returns, value_mask, clip_range=0.2)
+        assert ours["value_loss"] == pytest.approx(float(expected), rel=1e-5)
+        assert ours["valid_tokens"] == int(value_mask.sum()) < int(batch.response_mask.sum())
+        for key in ("value_loss", "grad_norm", "explained_variance"):
+            assert ours[key] == pytest.approx(reference[key], rel=1e-5), key
+        real = batch.attention_mask.bool()
+        after = group.compute_values(batch.input_ids, batch.attention_mask)
+        assert torch.allclose(after[real], engine.compute_values(batch.input_ids, batch.attention_mask)[real],
+                              atol=1e-5)
+    finally:
+        engine.close()
+
+
 def test_bad_input_raises_the_engines_message_and_the_group_stays_usable(fsdp_group, batch_file):
     batch, group = rollout_batch(batch_file), fsdp_group
     returns = batch.returns.clone()
