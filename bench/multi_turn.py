@@ -59,7 +59,8 @@ def measure(run_dir: str, records: list[dict], outcomes: list[float], config) ->
     held = to_rollouts([records[i] for i in rows.tolist()])
     held.old_values = torch.zeros_like(held.rewards)  # unused: gae's values are the critic's (none brought)
     critic, _ = load_critic(os.path.join(run_dir, "hf_export"))
-    values = compute_values(critic, held.input_ids, held.attention_mask).float()
+    with torch.no_grad():
+        values = compute_values(critic, held.input_ids, held.attention_mask).float()
     outcome = torch.tensor([outcomes[i] for i in rows.tolist()])[:, None].expand_as(held.rewards)
     mask = held.response_mask.bool()
     out = {"ev_outcome": explained_variance(shift_to_tokens(values), outcome, mask)}

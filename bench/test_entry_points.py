@@ -29,7 +29,8 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
 @pytest.mark.parametrize("module,option", [("critic_update", "--repeats"), ("long_context", "--lengths"),
                                            ("dp_shares", "--short"), ("offload", "--backends"),
                                            ("scale", "--sweep-tokens"), ("rank_memory", "--ranks"),
-                                           ("value_learning", "--losses")])
+                                           ("value_learning", "--losses"), ("gae_speed", "--shapes"),
+                                           ("multi_turn", "--variants")])
 def test_runs_as_a_module(tmp_path, module, option):
     import ast
 
