@@ -107,6 +107,16 @@ def test_the_embedded_set_is_refused_without_a_placement_and_a_launch_writes_not
     assert result.returncode != 0 and "invalid rollouts in embedded:multi_turn" in result.stderr, result.stderr[-3000:]
     assert "set data.off_mask_rewards=previous" in result.stderr
     assert not (tmp_path / "run").exists()
+    # With it, the dry run says what happens to those rewards and to the truncated rows.
+    dry = launch(FSDP, "--dry-run", "data.train_path=embedded:multi_turn", "data.num_rollouts=64",
+                 "data.off_mask_rewards=previous", f"trainer.run_dir={tmp_path / 'run'}")
+    records = make_multi_turn_records(64, seed=0)
+    moved = sum(1 for r in records if not r["truncated"] and not r["response_mask"][-1])
+    cut = sum(1 for r in records if r["truncated"])
+    assert dry.returncode == 0 and 0 < moved and 0 < cut, dry.stderr[-3000:]
+    assert (f"{moved} of 64 rollouts have their reward off the response (on a tool output); it goes to the last "
+            f"response token before it") in dry.stdout, dry.stdout
+    assert f"{cut} of 64 rollouts are truncated; their returns bootstrap" in dry.stdout, dry.stdout
 
 
 def test_a_turn_level_job_on_agent_trajectories_learns_and_resumes_inside_an_iteration_bit_identically(tmp_path):

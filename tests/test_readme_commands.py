@@ -133,6 +133,36 @@ def test_the_python_example_runs(tmp_path):
     assert (tmp_path / "out" / "config.json").is_file()
 
 
+def test_the_multi_turn_example_runs(tmp_path):
+    """The README's multi-turn snippet (GAE with turns, truncation and moved rewards; an update with a
+    value mask) on the embedded multi-turn rollouts, with an fsdp engine of a tiny critic."""
+    with open(README) as f:
+        text = f.read()
+    section = text[text.index("## Multi-turn and agentic rollouts"):].split("\n## ", 1)[0]
+    (example,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    prelude = f"""
+import torch
+from critic_adapters.common.engine.config import EngineConfig, ModelConfig
+from critic_adapters.common.engine.registry import build_engine
+from critic_adapters.common.learning.data import to_rollouts
+from critic_adapters.common.learning.multi_turn import make_multi_turn_records
+from critic_adapters.common.parallel.distributed import init_distributed
+from critic_adapters.common.testdata import save_tiny_causal_lm
+
+model = save_tiny_causal_lm("qwen2", {str(tmp_path / "model")!r})
+engine = build_engine("fsdp", EngineConfig(model=ModelConfig(path=model)), init_distributed())
+r = to_rollouts(make_multi_turn_records(16, seed=1))
+input_ids, attention_mask, response_mask, rewards = r.input_ids, r.attention_mask, r.response_mask, r.rewards
+turn_ids, truncated, value_mask = r.turn_ids, r.truncated, r.response_mask
+old_values = torch.zeros_like(rewards)
+assert truncated.any()
+"""
+    check = "\nassert returns.shape == rewards.shape and bool((returns[response_mask.bool()] != 0).any())\n"
+    result = subprocess.run([sys.executable, "-c", prelude + example + check], env=worker_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_the_ray_example_runs(tmp_path):
     """The README's RayCriticGroup block, on a local cluster (token authentication off in this test's
     own environment, its ~/.ray in tmp_path)."""

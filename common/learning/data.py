@@ -177,7 +177,7 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
             isinstance(r, dict) and r.get("turn_ids") is not None for r in records):
         problems.append("data.timestep_unit=turn needs the field 'turn_ids' in every row (-1 off the response, the "
                         "turn's index on it); give it, or use data.timestep_unit=token")
-    truncated = no_response = 0
+    truncated = no_response = moved = cut_off = 0
     for row, record in enumerate(records):
         if len(problems) >= 10:
             break
@@ -220,6 +220,9 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         if mask[0] == 1:
             problems.append(f"row {row}: response_mask[0] is 1, but the first token has no preceding state to value")
         no_response += not any(mask)
+        moved += bool(off_mask_rewards == "previous" and targets and record.get("rewards") is not None
+                      and any(r != 0 and not m for r, m in zip(record["rewards"], mask)))
+        cut_off += bool(record.get("truncated"))
         for name in per_token[1:]:
             anywhere = name == "rewards"  # a reward off the response is moved, never ignored
             bad = [i for i, (v, m) in enumerate(zip(record[name], mask)) if (m or anywhere) and not math.isfinite(v)]
@@ -234,6 +237,12 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
     if truncated:
         notes.append(f"{source}: cut {truncated} of {len(records)} rollouts to the model's max_position_embeddings "
                      f"({max_positions} tokens; data.truncate_to_max_positions=true)")
+    if moved:
+        notes.append(f"{source}: {moved} of {len(records)} rollouts have their reward off the response (on a tool "
+                     f"output); it goes to the last response token before it (data.off_mask_rewards=previous)")
+    if cut_off and "rewards" in has_target:
+        notes.append(f"{source}: {cut_off} of {len(records)} rollouts are truncated; their returns bootstrap from the "
+                     f"critic's value after their last token, renewed every PPO iteration")
     if no_response:
         notes.append(f"warning: {no_response} of {len(records)} rollouts in {source} have no response tokens "
                      f"(response_mask all 0); they add nothing to training")
@@ -312,7 +321,7 @@ def to_rollouts(records: list[dict]) -> Rollouts:
     if turn_ids is not None:
         turn_ids[attention_mask == 0] = -1  # padding is off the response
     truncated = None
-    if any(r.get("truncated") for r in records):
+    if any(r.get("truncated") is not None for r in records):
         truncated = torch.tensor([bool(r.get("truncated")) for r in records])
     old_values = padded("old_values", torch.float32)
     return Rollouts(input_ids, attention_mask, padded("response_mask", torch.long), padded("returns", torch.float32),

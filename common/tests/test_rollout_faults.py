@@ -103,7 +103,11 @@ def test_sequences_longer_than_the_model_are_refused_unless_truncation_is_asked_
     rollouts = load_rollouts(path, VOCAB, max_positions=MAX_POSITIONS, truncate=True, notes=notes)
     assert rollouts.input_ids.shape[1] == MAX_POSITIONS and int(rollouts.attention_mask[2].sum()) == MAX_POSITIONS
     assert notes == [f"{path}: cut 1 of 4 rollouts to the model's max_position_embeddings ({MAX_POSITIONS} tokens; "
-                     f"data.truncate_to_max_positions=true)"]
+                     f"data.truncate_to_max_positions=true)",
+                     f"{path}: 1 of 4 rollouts are truncated; their returns bootstrap from the critic's value after "
+                     f"their last token, renewed every PPO iteration"]
+    # The cut row did not end: its returns bootstrap (issue 42) rather than count the lost tail as 0.
+    assert rollouts.truncated.tolist() == [False, False, True, False]
 
 
 def test_a_one_row_file_leaves_nothing_to_train_on(tmp_path):
