@@ -81,6 +81,9 @@ BAD = {  # name: (change to the embedded records, extra keys, what the refusal s
     "turn-mode-without-turn-ids": (lambda records: [r.pop("turn_ids") for r in records],
                                    ["data.off_mask_rewards=previous", "data.timestep_unit=turn"],
                                    "data.timestep_unit=turn needs the field 'turn_ids' in every row"),
+    "version-without-old-values": (lambda records: [r.update(version=3) for r in records],
+                                   ["data.off_mask_rewards=previous"],
+                                   "version is the version of the critic that computed old_values: give old_values"),
     "value-mask-in-one-row": (_value_mask_in_one_row, ["data.off_mask_rewards=previous"],
                               "row 0: missing field 'value_mask' (row 3 has it); give value_mask in every row or in none"),
 }
@@ -138,6 +141,8 @@ def test_a_turn_level_job_on_agent_trajectories_learns_and_resumes_inside_an_ite
     # The loss counted the anchors alone: at most 4 turns per row of a 32-row mini-batch (the action
     # tokens are 8 or more per row).
     assert all(0 < row["valid_tokens"] <= 4 * 32 for row in train), [row["valid_tokens"] for row in train]
+    # Issue 44, 3: the old values' staleness, in critic steps: renewed at each iteration's first step.
+    assert [row["old_values/staleness_max"] for row in train[:9]] == [0, 1, 2] * 3, train[:9]
 
 
 if __name__ == "__main__":

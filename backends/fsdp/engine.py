@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from .parallelize import parallelize_critic
 from .sharded_load import load_sharded_critic
 from ...common.engine.config import compute_dtype
@@ -23,7 +21,7 @@ from ...common.engine.registry import read_model
 from ...common.engine.mesh import ParallelMesh, build_mesh
 from ...common.engine.schedule import build_scheduler
 from ...common.engine.pipeline import engine_transforms
-from ...common.engine.transforms import trainable_parameters
+from ...common.engine.optimizers import build_optimizer
 
 
 class FSDPCriticEngine(FSDP2Engine):
@@ -56,8 +54,5 @@ class FSDPCriticEngine(FSDP2Engine):
             cpu_offload=cpu_offload,
         )
         report = dataclasses.replace(report, kernels=f"attention {attention}")
-        optim = config.optim
-        # fused: one kernel for all parameters instead of a dozen elementwise ops per parameter.
-        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas),
-                                      eps=optim.eps, weight_decay=optim.weight_decay, fused=True)
-        return model, report, optimizer, build_scheduler(optimizer, optim)
+        optimizer = build_optimizer(model, config.optim)  # engine.optim.name / state_dtype
+        return model, report, optimizer, build_scheduler(optimizer, config.optim)

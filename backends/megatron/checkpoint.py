@@ -22,6 +22,9 @@ from megatron.core import dist_checkpointing
 
 from . import compat
 from ...common.storage.checkpoints import (
+    check_extra,
+    check_optimizer_kind,
+    optimizer_kind,
     check_meta,
     load_trainer_state,
     save_trainer_state,
@@ -91,9 +94,10 @@ def check_optimizer(directory: str, meta: dict, distributed: bool) -> None:
                          f"{str(written).lower()}, or start a new run from its hf_export")
 
 
-def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
+def save_checkpoint(directory: str, engine, extra_state: dict, extra_tensors: dict | None = None) -> None:
     """Write a complete checkpoint to `directory` (replacing one there only once the new one is whole);
     a failure on any rank raises on every rank (common.storage.checkpoints.staged_checkpoint)."""
+    check_extra(extra_state, extra_tensors)
     with compat.cuda_to_cpu():  # the distributed optimizer gathers its state with .cuda() copies
         state = _sharded_state(engine.model, engine.optimizer, is_loading=False)
     main = engine.dist.is_main
@@ -102,8 +106,9 @@ def save_checkpoint(directory: str, engine, extra_state: dict) -> None:
         with compat.cuda_to_cpu(), compat.in_process_save_results():
             dist_checkpointing.save(state, staging)
         if main:
-            save_trainer_state(staging, engine, extra_state)
+            save_trainer_state(staging, engine, extra_state, extra_tensors)
             write_meta(staging, engine.fingerprint, world_size=engine.dist.world_size, backend="megatron",
+                       optimizer_kind=optimizer_kind(engine.config.optim),
                        distributed_optimizer=engine.config.optim.distributed_optimizer)
 
 
@@ -120,6 +125,7 @@ def load_checkpoint(directory: str, engine) -> dict:
             raise ValueError(f"{directory} was written by the {meta.get('backend', 'fsdp')} backend; resume it with "
                              f"that backend, or start a new run from its hf_export")
         check_optimizer(directory, meta, engine.config.optim.distributed_optimizer)
+        check_optimizer_kind(directory, meta, engine.config.optim)
     with agreed(f"loading checkpoint {directory}"):
         with compat.cuda_to_cpu():
             state = _sharded_state(engine.model, engine.optimizer, is_loading=True)

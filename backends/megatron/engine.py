@@ -36,7 +36,7 @@ from ...common.parallel import kernels
 from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
 from ...common.parallel.host_memory import large_allocations_returned
 from ...common.parallel.shard_state import recv_into, recv_rows, row_pieces, send_rows
-from ...common.engine import RolloutBatch, check_batch_inputs, inputs_on_host, shift_to_tokens
+from ...common.engine import RolloutBatch, check_batch_inputs, inputs_on_host, reports_version, shift_to_tokens
 from ...common.learning.hl_gauss import head_values
 from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.engine.registry import check_engine_config
@@ -97,6 +97,7 @@ class MegatronCriticEngine(Offloadable):
         self.aux_experts = router_aux_experts(hf_config, config)
         # The engine's own randomness (saved in checkpoints); the process's RNG is left as it was.
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.version = 0  # optimizer steps taken (checkpoints keep it)
         load_kwargs = dict(torch_dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code,
                            head_prefix=model_cfg.head_prefix, fresh_head=model_cfg.fresh_head,
                            head_init_seed=model_cfg.head_init_seed, value_head=self.support,
@@ -247,6 +248,7 @@ class MegatronCriticEngine(Offloadable):
         return self.parallel.world_group
 
     # -- the engine API ------------------------------------------------------------------------------
+    @reports_version
     @torch.no_grad()
     @needs_resident("model")
     @inputs_on_host
@@ -374,9 +376,11 @@ class MegatronCriticEngine(Offloadable):
         with compat.cuda_to_cpu(), compat.step_notices_off():
             if self._accumulating:
                 self.tf_config.finalize_model_grads_func([self.model])
-            _, grad_norm, _ = self.optimizer.step()
+            with self.optimizer_state_for_step():
+                _, grad_norm, _ = self.optimizer.step()
             self.optimizer.zero_grad()
         self._accumulating = False
+        self.version += 1
         return float(grad_norm)
 
     def checkpoint_bytes(self) -> int:
@@ -397,8 +401,9 @@ class MegatronCriticEngine(Offloadable):
         return int(total) + 2**20
 
     @resident_during
-    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
-        checkpoint.save_checkpoint(directory, self, extra_state or {})
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None,
+                        extra_tensors: dict | None = None) -> None:
+        checkpoint.save_checkpoint(directory, self, extra_state or {}, extra_tensors)
 
     @resident_during
     def load_checkpoint(self, directory: str) -> dict:

@@ -69,9 +69,16 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """VeOmni's AdamW (fused kernel: one pass over all parameters)."""
+    """VeOmni's AdamW (fused kernel: one pass over all parameters); Muon or bf16 state
+    (engine.optim.name / state_dtype): common.engine.optimizers', the one the fsdp backend runs on the
+    same FSDP2 shards (VeOmni 0.1.12 has a Muon and an AnyPrecisionAdamW of its own, with their own
+    parameter split, Newton-Schulz variants and Kahan buffers: one implementation, one reference)."""
     from veomni.optim import build_optimizer as veomni_build_optimizer
 
+    if optim.name != "adamw" or optim.state_dtype != "float32":
+        from ...common.engine.optimizers import build_optimizer as critic_optimizer
+
+        return critic_optimizer(model, optim)
     return veomni_build_optimizer(model, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                   weight_decay=optim.weight_decay, fused=True, optimizer_type="adamw")
 

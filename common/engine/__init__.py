@@ -19,14 +19,17 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
   compute_values(input_ids, attention_mask) -> float32 [B, T] on CPU, values at every position
                                  (unshifted), for the rows this rank passed; every rank of the DP
                                  rank's model-parallel group returns them (with pipeline parallelism
-                                 the last stage's values are sent to every stage).
+                                 the last stage's values are sent to every stage). return_version=True:
+                                 (values, the version that computed them)
+  version                        optimizer steps taken (step_optimizer calls); saved in checkpoints
   update(batch) -> metrics       one optimizer step on this DP rank's share of a mini-batch; the loss
                                  is normalised over the whole mini-batch (all DP ranks, all
                                  micro-batches), gradients are those of that loss, and the metrics
                                  (common.engine.update_step.METRICS) are reduced over the DP group.
-  save_checkpoint(dir, extra_state) / load_checkpoint(dir) -> extra_state
+  save_checkpoint(dir, extra_state, extra_tensors=None) / load_checkpoint(dir) -> extra_state
                                  collective; atomic, fingerprinted (common/storage/checkpoints.py); loading
-                                 restores the engine's own RNG, never the process's.
+                                 restores the engine's own RNG (never the process's) and version; a
+                                 host's extra tensors (a replay buffer) come back under "extra_tensors".
   checkpoint_bytes() -> int      the bytes a save writes (all ranks), for the free-space check
   export_hf(dir, max_shard_size=) a plain *ForTokenClassification, streamed tensor by tensor
                                  (common.valuehead.save.write_critic)
@@ -137,11 +140,16 @@ class CriticEngine(Protocol):
     scheduler: object
     """The LR schedule (a torch LRScheduler-like object with step() and get_last_lr()); update()
     steps it, a host driving forward_backward / step_optimizer steps it itself (verl's slot)."""
+    version: int
+    """Optimizer steps this critic has taken (every step_optimizer, update's included), saved in
+    checkpoints: an asynchronous stack tags the values it computes with it and bounds their age."""
 
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                       return_version: bool = False) -> torch.Tensor:
         """The critic's values, no grad: float32 [B, T] on CPU, at every position and UNSHIFTED:
         entry t is the value of the state after token t. The value the loss uses for token t (what
         RolloutBatch.old_values holds) is entry t - 1: shift_to_tokens(values) does that shift.
+        return_version=True: (values, version), the version of the critic that computed them.
 
         input_ids: int64 [B, T]; attention_mask: [B, T] of 0/1 (right- or left-padded; padding
         positions come back as 0.0). The inputs of every method may be on any device (the engine
@@ -149,8 +157,8 @@ class CriticEngine(Protocol):
         ...
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: all [B, T];
-        old_values and returns token-aligned; value_mask optional). The loss counts the value-mask
+        """One optimizer step on this DP rank's share of a mini-batch (RolloutBatch: every field
+        [B, T], value_mask optional; old_values and returns token-aligned). The loss counts the value-mask
         tokens (response_mask without one) and is normalised over the whole mini-batch across DP ranks. Returns common.engine.update_step.METRICS (docs/METRICS.md),
         reduced over the DP group, and router_aux_loss when engine.loss.router_aux_coef > 0."""
         ...
@@ -177,9 +185,12 @@ class CriticEngine(Protocol):
         """Drop the gradients forward_backward accumulated (step_optimizer does so after stepping)."""
         ...
 
-    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None,
+                        extra_tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Write a checkpoint (atomic: a failed save leaves no `directory`) with model, optimizer,
-        schedule and the engine's RNG, plus `extra_state` (JSON-able, e.g. the data position)."""
+        schedule, version and the engine's RNG, plus `extra_state` (JSON-able, e.g. the data position)
+        and `extra_tensors` (name -> tensor, e.g. a host's replay buffer: rank 0's are written, with
+        the checkpoint, atomically)."""
         ...
 
     def checkpoint_bytes(self) -> int:
@@ -188,7 +199,8 @@ class CriticEngine(Protocol):
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore a checkpoint of the same critic (any data-parallel degree; megatron: any tensor
-        degree); returns its extra_state. The process's own RNG is left alone."""
+        degree) and its version; returns its extra_state, with the saved extra tensors (on every
+        rank, on the CPU) under "extra_tensors" when there were any. The process's own RNG is left alone."""
         ...
 
     def export_hf(self, directory: str, *, max_shard_size: int | str = "5GB") -> None:
@@ -276,6 +288,15 @@ def check_batch_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                          for name, count in non_finite.items())
         raise ValueError(f"{here or 'another rank has non-finite returns/old_values on response tokens'}; "
                          f"fix the rollout data (no update was made)")
+
+
+def reports_version(compute_values):
+    """Engine compute_values decorator: return_version=True returns (values, self.version)."""
+    @functools.wraps(compute_values)
+    def versioned(self, *args, return_version: bool = False, **kwargs):
+        values = compute_values(self, *args, **kwargs)
+        return (values, self.version) if return_version else values
+    return versioned
 
 
 def inputs_on_host(method):

@@ -46,6 +46,10 @@ class ModelConfig:
             raise ValueError(f"engine.model.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
 
 
+OPTIMIZERS = ("adamw", "muon")
+STATE_DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimConfig:
     lr: float = 1e-5
@@ -64,6 +68,16 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     total_steps: int | None = None
     """Optimizer steps the cosine schedule spans; the trainer fills it in from the data when None."""
+    name: str = "adamw"
+    """adamw, or muon: torch's Muon on the backbone's 2-D hidden matrices and AdamW on the rest
+    (embeddings, norms, biases, the value head; common/engine/optimizers.py). fsdp and veomni."""
+    state_dtype: str = "float32"
+    """The optimizer state's dtype: float32, or bfloat16 (AdamW's moments and Muon's momentum in bf16,
+    half the bytes; the arithmetic in fp32 on the fp32 parameters). fsdp and veomni."""
+    offload_state: bool = False
+    """Keep the optimizer state in host memory except inside the optimizer step (brought in, stepped,
+    sent back; pinned and reused on CUDA): resident_bytes() shows no optimizer bytes between steps,
+    and training is bit-identical to the state kept resident. Every backend."""
     distributed_optimizer: bool = True
     """The optimizer state (fp32 main weights, Adam's moments) sharded over the data-parallel ranks.
     fsdp and veomni always shard it (FSDP2 shards it with the parameters); megatron runs its
@@ -78,6 +92,10 @@ class OptimConfig:
             raise ValueError(f"engine.optim.lr_schedule={self.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
         if self.warmup_steps < 0:
             raise ValueError(f"engine.optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"engine.optim.name={self.name!r}: use one of {', '.join(OPTIMIZERS)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"engine.optim.state_dtype={self.state_dtype!r}: use one of {', '.join(STATE_DTYPES)}")
         if self.warmup_ratio is not None:
             if not 0.0 <= self.warmup_ratio < 1.0:
                 raise ValueError(f"engine.optim.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
@@ -631,6 +649,8 @@ CHANGEABLE_ON_RESUME = frozenset({
     # Both optimizers take the same steps; a megatron checkpoint names the one that wrote it, and a
     # load into the other is refused by this key (runs saved before the key existed: set it false).
     "engine.optim.distributed_optimizer",
+    # Where the state lives between steps, not what it holds.
+    "engine.optim.offload_state",
 })
 
 

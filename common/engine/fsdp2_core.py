@@ -42,6 +42,9 @@ from ..parallel.batching import MicroBatch
 from ..storage.checkpoints import (
     check_meta,
     critic_fingerprint,
+    check_extra,
+    check_optimizer_kind,
+    optimizer_kind,
     load_trainer_state,
     save_trainer_state,
     staged_checkpoint,
@@ -49,7 +52,7 @@ from ..storage.checkpoints import (
 )
 from .config import EngineConfig
 from ..parallel.distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
-from . import RolloutBatch, check_batch_inputs, inputs_on_host, shift_to_tokens
+from . import RolloutBatch, check_batch_inputs, inputs_on_host, reports_version, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
 from .registry import check_engine_config
@@ -132,6 +135,7 @@ class FSDP2Engine(Offloadable):
         self.sp_group = self.parallel.groups[ULYSSES] if self.parallel.sizes[ULYSSES] > 1 else None
         # The engine's own randomness (nothing in training draws from it today; saved in checkpoints).
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.version = 0  # optimizer steps taken (checkpoints keep it)
         try:
             self.model, self.load_report, self.optimizer, self.scheduler = self._build()
         except BaseException:
@@ -211,6 +215,7 @@ class FSDP2Engine(Offloadable):
             yield mb.unpack(values, row_length), values
 
     # -- the engine API ------------------------------------------------------------------------------
+    @reports_version
     @torch.no_grad()
     @needs_resident("model")
     @inputs_on_host
@@ -300,8 +305,10 @@ class FSDP2Engine(Offloadable):
         norm = self._grad_norm(max_norm if max_norm is not None else float("inf"))
         if isinstance(norm, DTensor):  # when the parameters are sharded
             norm = norm.full_tensor()
-        self.optimizer.step()
+        with self.optimizer_state_for_step():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
         return float(norm)
 
     def _model_state(self) -> dict:
@@ -315,8 +322,10 @@ class FSDP2Engine(Offloadable):
         return {key: value for key, value in state.items() if key in trainable}
 
     @resident_during
-    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None,
+                        extra_tensors: dict | None = None) -> None:
         """Write a complete checkpoint to `directory` (replacing one there only once the new one is whole)."""
+        check_extra(extra_state, extra_tensors)
         self._settle()
         state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
@@ -325,8 +334,9 @@ class FSDP2Engine(Offloadable):
                                timeout_s=self.config.collective_timeout_s) as staging:
             dcp.save(state, checkpoint_id=staging, process_group=self.state_group)  # the ranks FSDP shards over
             if main:
-                save_trainer_state(staging, self, extra_state or {})
-                write_meta(staging, self.fingerprint, world_size=self.shard_size, backend=self.backend)
+                save_trainer_state(staging, self, extra_state or {}, extra_tensors)
+                write_meta(staging, self.fingerprint, world_size=self.shard_size, backend=self.backend,
+                           optimizer_kind=optimizer_kind(self.config.optim))
 
     @resident_during
     def load_checkpoint(self, directory: str) -> dict:
@@ -340,6 +350,7 @@ class FSDP2Engine(Offloadable):
             if meta.get("backend") == "megatron":
                 raise ValueError(f"{directory} was written by the megatron backend (dist_checkpointing shards); "
                                  f"resume it with backend=megatron, or start a new run from its hf_export")
+            check_optimizer_kind(directory, meta, self.config.optim)
         with agreed(f"loading checkpoint {directory}"):
             state = {"model": self._model_state(),
                      "optim": get_optimizer_state_dict(self.model, self.optimizer)}

@@ -28,6 +28,7 @@ An engine mixes in `Offloadable` and implements `_offload_tensors()` and `_offlo
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 
 import torch
@@ -178,9 +179,17 @@ def _refuse_fixed_storages(tensors_by_kind: dict[str, list[torch.Tensor]], kinds
                            f"this engine's tensors cannot be re-pointed (its library holds hooks on them)")
 
 
+def kept_off(engine) -> frozenset[str]:
+    """What the engine keeps in host memory between its optimizer steps: the optimizer state with
+    engine.optim.offload_state (the step brings it in and sends it back itself)."""
+    optim = getattr(getattr(engine, "config", None), "optim", None)
+    return frozenset({"optimizer"}) if getattr(optim, "offload_state", False) else frozenset()
+
+
 def require_resident(engine, kinds, what: str) -> None:
-    """ValueError, naming what is offloaded, when any of `kinds` is (never a silent onload)."""
-    missing = sorted(set(kinds) & engine.offloaded)
+    """ValueError, naming what is offloaded, when any of `kinds` is (never a silent onload); the
+    optimizer state engine.optim.offload_state keeps off is the step's own to bring in."""
+    missing = sorted((set(kinds) & engine.offloaded) - kept_off(engine))
     if missing:
         raise ValueError(f"{what}: the critic's {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                          f"offloaded (engine.offloaded = {sorted(engine.offloaded)}); call engine.onload() first")
@@ -198,17 +207,20 @@ def needs_resident(*kinds: str):
 
 
 def resident_during(method):
-    """Method decorator: onload what is offloaded for the call, and offload the same parts after."""
+    """Method decorator: onload what is offloaded for the call, and offload the same parts after (and
+    what engine.optim.offload_state keeps off: a checkpoint load may have made the state)."""
     @functools.wraps(method)
     def around(self, *args, **kwargs):
         away = self.offloaded
-        if not away:
+        parts = away | kept_off(self)
+        if not parts:
             return method(self, *args, **kwargs)
-        self.onload()
+        if away:
+            self.onload()
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.offload(**{kind: kind in away for kind in KINDS})
+            self.offload(**{kind: kind in parts for kind in KINDS})
     return around
 
 
@@ -265,3 +277,16 @@ class Offloadable(abc.ABC):
     def resident_bytes(self) -> dict[str, int]:
         """This rank's bytes of each part on the compute device now (0 for an offloaded part)."""
         return self._offload_state.resident_bytes(self._offload_tensors())
+
+    @contextlib.contextmanager
+    def optimizer_state_for_step(self):
+        """engine.optim.offload_state: the optimizer state on the compute device for the step inside,
+        back in host memory after it (the same bytes: training is bit-identical)."""
+        if not kept_off(self):
+            yield
+            return
+        self.onload(model=False, optimizer=True, grads=False)
+        try:
+            yield
+        finally:
+            self.offload(model=False, optimizer=True, grads=False)

@@ -33,6 +33,9 @@ OPTIONAL_KNOBS: dict[str, object] = {
     "transforms": [],
     "lora.rank": 0,
     "optim.distributed_optimizer": True,  # fsdp / veomni shard the optimizer always (FSDP2)
+    "optim.name": "adamw",
+    "optim.state_dtype": "float32",
+    "optim.offload_state": False,
 }
 
 
@@ -72,7 +75,8 @@ class BackendSpec:
     heavy library); None: not declared (whatever its library builds). Refusals name the backends
     that take a family (backends_for_family)."""
     unsupported: tuple[tuple[str, str], ...] = ()
-    """(a PARALLEL_DIMS name it does not implement, why): said with check_engine_config's refusal."""
+    """(a PARALLEL_DIMS name or an OPTIONAL_KNOBS key it does not implement, why): said with
+    check_engine_config's refusal."""
 
     def __post_init__(self):
         unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
@@ -92,7 +96,7 @@ BACKENDS: dict[str, BackendSpec] = {
         factory=".backends.fsdp.engine:FSDPCriticEngine",
         parallel_dims=frozenset({"ulysses", "replicate"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
-                         "transforms", "lora.rank"}),
+                         "transforms", "lora.rank", "optim.name", "optim.state_dtype", "optim.offload_state"}),
         launcher=".backends.fsdp.train",
         check_layout=".common.parallel.ulysses:check_layout",
     ),
@@ -100,7 +104,11 @@ BACKENDS: dict[str, BackendSpec] = {
         factory=".backends.megatron.engine:MegatronCriticEngine",
         parallel_dims=frozenset({"tensor", "pipeline", "sequence_parallel", "context", "expert"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "transforms", "lora.rank",
-                         "optim.distributed_optimizer"}),
+                         "optim.distributed_optimizer", "optim.offload_state"}),
+        unsupported=(("optim.name", "megatron-core 0.16's Muon (megatron.core.optimizer.muon) needs NVIDIA's "
+                      "emerging_optimizers package, which is not on PyPI (only a 999.9.9 placeholder)"),
+                     ("optim.state_dtype", "megatron-core's precision-aware optimizer (exp_avg_dtype) runs "
+                      "TransformerEngine's FusedAdam, which needs CUDA and is not installed")),
         launcher=".backends.megatron.train",
         library_groups=".backends.megatron.mesh_groups:megatron_groups",
         families=".backends.megatron.config:SUPPORTED_FAMILIES",
@@ -112,7 +120,7 @@ BACKENDS: dict[str, BackendSpec] = {
         factory=".backends.veomni.engine:VeOmniCriticEngine",
         parallel_dims=frozenset({"ulysses", "replicate"}),
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
-                         "transforms", "lora.rank"}),
+                         "transforms", "lora.rank", "optim.name", "optim.state_dtype", "optim.offload_state"}),
         launcher=".backends.veomni.train",
         job_defaults=("trainer.run_dir=outputs/veomni-default",),
         families=".backends.veomni.value_model:VEOMNI_FAMILIES",
@@ -178,7 +186,8 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
         if value != neutral and knob not in spec.knobs:
             others = backends_with(knob=knob)
             where = f"backend={' or backend='.join(others)}" if others else "no registered backend"
-            problems.append(f"engine.{knob}={value} (honoured by {where})")
+            why = dict(spec.unsupported).get(knob)
+            problems.append(f"engine.{knob}={value} (honoured by {where}" + (f"; {name}: {why})" if why else ")"))
     if engine.transforms and "transforms" in spec.knobs:
         from .transforms import check_transforms
 

@@ -30,6 +30,7 @@ from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
 from ..engine.registry import build_engine
+from ..engine.optimizers import optimizer_line
 from ..learning.loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
 from .telemetry import Telemetry
@@ -38,6 +39,7 @@ from .run_lock import run_dir_lock
 
 OLD_VALUES = "old_values"  # a checkpoint's extra state: the PPO iteration's old values, response tokens only
 RETURNS = "returns"  # ... and its returns, when the job renews them (truncated rows bootstrap from the critic)
+VERSIONS = "old_values_versions"  # ... and the critic versions that computed those old values
 EMBEDDED_ROLLOUTS = {"embedded:default": make_default_records, "embedded:multi_turn": make_multi_turn_records}
 
 
@@ -136,6 +138,7 @@ def prepare_targets(engine, rollouts: Rollouts, config: TrainConfig, dist: DistC
         check_model_values(predictions, rollouts.response_mask, config, "the initial critic's values")
         if rollouts.old_values is None:
             rollouts.old_values = predictions * rollouts.response_mask
+            rollouts.versions = torch.full((len(rollouts),), engine.version, dtype=torch.long)
         if rollouts.returns is None:
             rollouts.returns = critic_returns(rollouts, values, config)
     return rollouts
@@ -152,6 +155,7 @@ def renew_targets(engine, rollouts: Rollouts, rows: torch.Tensor, config: TrainC
     width = predictions.shape[1]  # select() trims the padding
     if old_values:
         rollouts.old_values[rows, :width] = predictions * part.response_mask
+        rollouts.versions[rows] = engine.version
         part = rollouts.select(rows)
     if returns:
         rollouts.returns[rows, :width] = critic_returns(part, values, config)
@@ -331,6 +335,7 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
     say(str(engine.load_report))
     trainable, total = engine.parameter_counts()
     say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    say(optimizer_line(config.engine.optim, getattr(engine, "optimizer", None)))
     if config.engine.lora.rank:
         say(lora_line(config.engine.lora))
     exports = (", hf_export/" + (", hf_export_adapter/" if config.engine.lora.rank else "")) if trainer.export_hf else ""
@@ -438,6 +443,10 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
             with telemetry.update(train.attention_mask[rows].sum(1)) as measured:
                 metrics = engine.update(_batch(train, rows[share]))  # a DP rank's share, balanced by tokens
             metrics.update(measured)
+            if train.versions is not None:  # critic steps since the old values were computed
+                staleness = (engine.version - 1 - train.versions[rows]).double()  # the version that took the step
+                metrics.update({"old_values/staleness_mean": float(staleness.mean()),
+                                "old_values/staleness_max": float(staleness.max())})
             step += 1
             if not math.isfinite(metrics["value_loss"]):
                 # The rollouts were checked finite: the critic's own values have blown up.
@@ -458,6 +467,7 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
                     response = train.response_mask[iteration].bool()
                     if refresh.old_values:
                         state[OLD_VALUES] = train.old_values[iteration][response]
+                        state[VERSIONS] = train.versions[iteration]
                     if refresh.returns:
                         state[RETURNS] = train.returns[iteration][response]
                 _save(engine, ckpt_root, step, state, trainer.keep_last, main, say)
@@ -493,6 +503,8 @@ def _restore_targets(train: Rollouts, rows: torch.Tensor, position: dict, renewe
         part = target[rows]
         part[mask] = saved.to(target.dtype)
         target[rows] = part
+    if renewed.old_values and position.get(VERSIONS) is not None:  # a checkpoint from before versions: keep them
+        train.versions[rows] = position[VERSIONS]
 
 
 def lora_line(lora) -> str:

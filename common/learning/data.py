@@ -10,6 +10,8 @@ Schema (one rollout per row/line; docs/DATA.md):
   turn_ids       list[int]    optional: -1 off the response, the turn's index (>= 0, non-decreasing) on it
   truncated      bool         optional, per row: cut off (a turn or token limit), not ended; its
                               GAE returns bootstrap from the critic's value after its last token
+  version        int          optional, per row, with old_values: the critic version (optimizer
+                              steps) that computed them; the job reports their staleness
 Per-token fields are aligned with input_ids: entry t belongs to token t, whose value the critic
 predicts at position t - 1. Token 0 can therefore never be a response token.
 """
@@ -48,6 +50,9 @@ class Rollouts:
     """bool [N]: rows cut off rather than ended."""
     brought_old_values: bool = False
     """old_values came with the rollouts (else the job fills them in from the critic)."""
+    versions: torch.Tensor | None = None
+    """int64 [N]: the critic version that computed each row's old values (the data's `version`, or
+    the engine's when the job computed them)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -171,7 +176,7 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         raise ValueError(f"data.off_mask_rewards={off_mask_rewards!r}: use one of {', '.join(OFF_MASK_REWARDS)}")
     if timestep_unit not in TIMESTEP_UNITS:
         raise ValueError(f"data.timestep_unit={timestep_unit!r}: use one of {', '.join(TIMESTEP_UNITS)}")
-    for name in ("old_values", *AGENTIC):
+    for name in ("old_values", "version", *AGENTIC):
         problems += _all_or_none(records, name)
     if timestep_unit == "turn" and targets and "rewards" in has_target and not any(
             isinstance(r, dict) and r.get("turn_ids") is not None for r in records):
@@ -280,6 +285,13 @@ def _agentic_problems(record: dict, mask: list, off_mask_rewards: str | None) ->
             problem = turn_ids_problem([int(t) for t in turn_ids], mask)
             if problem:
                 problems.append(problem)
+    version = record.get("version")
+    if version is not None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            problems.append(f"version: expected the critic's optimizer step count (an int >= 0) per row, got "
+                            f"{_kind(version)}")
+        elif record.get("old_values") is None:
+            problems.append("version is the version of the critic that computed old_values: give old_values with it")
     truncated = record.get("truncated")
     if truncated is not None:
         if truncated not in (True, False, 0, 1):
@@ -324,9 +336,13 @@ def to_rollouts(records: list[dict]) -> Rollouts:
     if any(r.get("truncated") is not None for r in records):
         truncated = torch.tensor([bool(r.get("truncated")) for r in records])
     old_values = padded("old_values", torch.float32)
+    versions = None
+    if records[0].get("version") is not None:
+        versions = torch.tensor([int(r["version"]) for r in records], dtype=torch.long)
     return Rollouts(input_ids, attention_mask, padded("response_mask", torch.long), padded("returns", torch.float32),
                     padded("rewards", torch.float32), old_values, value_mask=padded("value_mask", torch.long),
-                    turn_ids=turn_ids, truncated=truncated, brought_old_values=old_values is not None)
+                    turn_ids=turn_ids, truncated=truncated, brought_old_values=old_values is not None,
+                    versions=versions)
 
 
 def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = None, truncate: bool = False,

@@ -112,18 +112,61 @@ def critic_fingerprint(model, transforms: Iterable[str] = ()) -> dict:
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save_trainer_state(staging: str, engine, extra_state: dict) -> None:
-    """The engine's LR schedule and own RNG plus the caller's extra state (rank 0 writes it)."""
+EXTRA_TENSORS = "extra_tensors"  # the key of load_checkpoint's result that holds the saved extra tensors
+
+
+def save_trainer_state(staging: str, engine, extra_state: dict, extra_tensors: dict | None = None) -> None:
+    """The engine's LR schedule, own RNG and version (optimizer steps taken) plus the caller's extra
+    state and extra tensors (a host's replay buffer, say: rank 0's, on the host) (rank 0 writes it)."""
     torch.save({"scheduler": engine.scheduler.state_dict(), "rng": engine.generator.get_state(),
-                "extra": extra_state}, os.path.join(staging, TRAINER_STATE))
+                "version": engine.version, "extra": extra_state,
+                EXTRA_TENSORS: {name: tensor.detach().cpu() for name, tensor in (extra_tensors or {}).items()}},
+               os.path.join(staging, TRAINER_STATE))
+
+
+def check_extra(extra_state: dict | None, extra_tensors: dict | None) -> None:
+    """save_checkpoint's arguments, before anything is written: ValueError naming the problem."""
+    if extra_state and EXTRA_TENSORS in extra_state:
+        raise ValueError(f"save_checkpoint: extra_state may not hold the key {EXTRA_TENSORS!r}, which load_checkpoint "
+                         f"uses for the extra tensors; pass tensors as extra_tensors")
+    for name, tensor in (extra_tensors or {}).items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"save_checkpoint: extra_tensors must map names to tensors; got {name!r}: "
+                             f"{type(tensor).__name__}")
+
+
+def optimizer_kind(optim) -> dict:
+    """What a checkpoint records of the optimizer whose state it holds (engine.optim)."""
+    return {"name": optim.name, "state_dtype": optim.state_dtype}
+
+
+def check_optimizer_kind(directory: str, meta: dict, optim) -> None:
+    """ValueError unless the checkpoint holds the state of the optimizer engine.optim names (a
+    checkpoint from before optimizers were recorded holds AdamW's, in float32). States do not convert:
+    Muon keeps one buffer where AdamW keeps two moments, and bf16 moments are not fp32 ones."""
+    written = meta.get("optimizer_kind", {"name": "adamw", "state_dtype": "float32"})
+    wanted = optimizer_kind(optim)
+    changed = [key for key in wanted if written.get(key) != wanted[key]]
+    if changed:
+        saved = " ".join(f"engine.optim.{key}={written.get(key)}" for key in changed)
+        now = ", ".join(f"engine.optim.{key}={wanted[key]}" for key in changed)
+        raise ValueError(f"{directory} holds the optimizer state of {saved}, and this engine has {now}: resume it "
+                         f"with {saved}, or start a new run from its hf_export (the optimizer state does not convert)")
 
 
 def load_trainer_state(directory: str, engine) -> dict:
-    """Restore what save_trainer_state wrote into `engine`; returns the extra state."""
+    """Restore what save_trainer_state wrote into `engine` (a checkpoint from before versions were saved
+    resumes at its schedule's step count); returns the extra state, with the extra tensors, when any
+    were saved, under "extra_tensors"."""
     state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=True)
     engine.scheduler.load_state_dict(state["scheduler"])
     engine.generator.set_state(state["rng"])
-    return state["extra"]
+    schedule = state["scheduler"]
+    engine.version = int(state.get("version", schedule.get("last_epoch", schedule.get("step_count", 0))))
+    extra = dict(state["extra"])
+    if state.get(EXTRA_TENSORS):
+        extra[EXTRA_TENSORS] = state[EXTRA_TENSORS]
+    return extra
 
 
 def _numel(shape: list[int]) -> int:

@@ -246,10 +246,17 @@ class RayCriticGroup:
 
     parallel = None  # the engines' meshes live in the actors (common.engine.CriticEngine.parallel)
 
-    def compute_values(self, input_ids, attention_mask) -> torch.Tensor:
-        """float32 [B, T] values of every row, in row order (tensors or Ray object references)."""
+    def compute_values(self, input_ids, attention_mask, *, return_version: bool = False) -> torch.Tensor:
+        """float32 [B, T] values of every row, in row order (tensors or Ray object references);
+        return_version=True: (values, the engines' version that computed them)."""
         input_ids, attention_mask = _by_reference(input_ids), _by_reference(attention_mask)
-        return self._in_row_order(self._call_all("compute_values", input_ids, attention_mask))
+        values = self._in_row_order(self._call_all("compute_values", input_ids, attention_mask))
+        return (values, self.version) if return_version else values
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps the engines have taken (the same on every actor)."""
+        return self._call_all("version")[0]
 
     def _in_row_order(self, shares: list) -> torch.Tensor:
         """The values of every row from the actors' (row indices, values, ...) shares: one actor per
@@ -315,9 +322,15 @@ class RayCriticGroup:
     def checkpoint_bytes(self) -> int:
         return self._call_all("checkpoint_bytes")[0]
 
-    def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> None:
-        """The engine's checkpoint (every worker writes its part; the directory must be one every worker sees)."""
-        self._call_all("save_checkpoint", _absolute(directory), extra_state or {})
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None,
+                        extra_tensors: dict | None = None) -> None:
+        """The engine's checkpoint (every worker writes its part; the directory must be one every worker
+        sees), with this process's extra tensors (sent to the actors once, by reference)."""
+        from ...common.storage.checkpoints import check_extra
+
+        check_extra(extra_state, extra_tensors)
+        self._call_all("save_checkpoint", _absolute(directory), extra_state or {},
+                       _by_reference(extra_tensors) if extra_tensors else None)
 
     def load_checkpoint(self, directory: str) -> dict:
         return self._call_all("load_checkpoint", _absolute(directory))[0]

@@ -106,8 +106,11 @@ class CriticWorker:
     def checkpoint_bytes(self) -> int:
         return self.engine.checkpoint_bytes()
 
-    def save_checkpoint(self, directory: str, extra_state: dict) -> None:
-        self.engine.save_checkpoint(directory, extra_state)
+    def save_checkpoint(self, directory: str, extra_state: dict, extra_tensors: dict | None = None) -> None:
+        self.engine.save_checkpoint(directory, extra_state, extra_tensors)
+
+    def version(self) -> int:
+        return self.engine.version
 
     def load_checkpoint(self, directory: str) -> dict:
         return self.engine.load_checkpoint(directory)

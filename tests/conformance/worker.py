@@ -346,6 +346,50 @@ def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float((a.cpu() - b.cpu()).abs()[mask.bool()].max())
 
 
+# Issue 44: the optimizer options, each with the spec's knob that offers it.
+OPTIMIZER_OPTIONS = {"muon": ("optim.name", {"name": "muon"}),
+                     "bf16_state": ("optim.state_dtype", {"state_dtype": "bfloat16"}),
+                     "muon_bf16_state": ("optim.name", {"name": "muon", "state_dtype": "bfloat16"}),
+                     "offload_state": ("optim.offload_state", {"offload_state": True})}
+
+
+def optimizer_pass(backend: str, dist, export_dir: str, workdir: str) -> dict:
+    """Each optimizer option from `export_dir` (the main pass's export): the first update's metrics and
+    the values after it (rank 0's rows), for the test's torch reference; offload_state also beside
+    the plain AdamW update, its optimizer bytes between steps, and across a save and a load. An option
+    the spec does not offer: the refusal it raises."""
+    import dataclasses
+
+    spec = backend_spec(backend)
+    out = {}
+    for name, (knob, settings) in OPTIMIZER_OPTIONS.items():
+        base = engine_config(export_dir)
+        config = dataclasses.replace(base, optim=dataclasses.replace(base.optim, **settings))
+        if knob not in spec.knobs:
+            try:
+                build_engine(backend, config, dist).close()
+                out[name] = {"refused": None}
+            except ValueError as err:
+                out[name] = {"refused": str(err)}
+            continue
+        engine = build_engine(backend, config, dist)
+        batch = rollout(0)
+        metrics = engine.update(rollout(dist.rank + 2))
+        result = {"metrics": {k: metrics[k] for k in ("value_loss", "grad_norm")},
+                  "values_after_first": engine.compute_values(batch.input_ids, batch.attention_mask).tolist(),
+                  "optimizer_bytes_after_step": engine.resident_bytes()["optimizer"],
+                  "offloaded_after_step": sorted(engine.offloaded)}
+        saved = os.path.join(workdir, f"ckpt-optim-{name}")
+        engine.save_checkpoint(saved)
+        engine.load_checkpoint(saved)
+        result["optimizer_bytes_after_load"] = engine.resident_bytes()["optimizer"]
+        result["next"] = engine.update(rollout(dist.rank + 4))["value_loss"]
+        result["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask).tolist()
+        engine.close()
+        out[name] = result
+    return out
+
+
 def moe_layouts(spec: BackendSpec) -> dict[str, dict]:
     """The mixture-of-experts passes: data parallel 2, and expert parallel 2 where the spec offers it."""
     return {"moe": {}, **({"moe-expert": {"expert": 2}} if "expert" in spec.parallel_dims else {})}
@@ -438,12 +482,19 @@ def main() -> None:
         (engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask) - values_before_nan)
         .abs().max())
 
+    version_before = engine.version
     metrics = engine.update(rollout(dist.rank))  # and the group takes the next step
     out["after_nan_loss"] = metrics["value_loss"]
     out["metrics_keys"] = sorted(metrics)
     resumed_dir = os.path.join(workdir, "after_update")
-    engine.save_checkpoint(resumed_dir)
-    values = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
+    # A host's replay buffer saved with the checkpoint (each rank passes its own: rank 0's are kept).
+    buffer = {"replay": torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * dist.rank,
+              "ages": torch.tensor([3, 1], dtype=torch.int64) + dist.rank}
+    engine.save_checkpoint(resumed_dir, {"position": 7}, extra_tensors=buffer)
+    values, values_version = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask,
+                                                   return_version=True)
+    out["version"] = {"before_update": version_before, "after_update": engine.version,
+                      "values_version": values_version}
     export_dir = os.path.join(workdir, "hf_export")
     engine.export_hf(export_dir)
     # An export, then an offload cycle, then the next update: it must be the one an engine that did
@@ -456,7 +507,13 @@ def main() -> None:
     engine.close()
 
     second = build_engine(backend, config, dist)
-    second.load_checkpoint(resumed_dir)
+    out["version"]["fresh_engine"] = second.version
+    extra = second.load_checkpoint(resumed_dir)
+    saved = extra.pop("extra_tensors", {})
+    out["version"]["resumed"] = second.version
+    out["extra"] = {"state": extra, "tensors_equal_rank0s": sorted(saved) == ["ages", "replay"] and torch.equal(
+        saved["replay"], torch.arange(6, dtype=torch.float64).reshape(2, 3)) and torch.equal(
+        saved["ages"], torch.tensor([3, 1])), "tensors": {k: v.tolist() for k, v in saved.items()}}
     resumed = second.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     out["resume_values_diff"] = float((resumed - values).abs().max())
     out["resumed_next_update"] = _update_and_values(second, dist.rank)
@@ -465,6 +522,15 @@ def main() -> None:
     reference = all_gather_object(values, group=torch_dist.group.WORLD)[0]  # rank 0's rows: rollout(0)
     out["layouts"] = {layout: layout_pass(backend, layout, dist, export_dir, reference, workdir)
                       for layout in layouts(backend_spec(backend))}
+    out["optimizers"] = optimizer_pass(backend, dist, export_dir, workdir)
+    # The plain AdamW engine's same two updates: what offload_state must equal bit for bit.
+    plain = build_engine(backend, engine_config(export_dir), dist)
+    out["optimizers"]["adamw"] = {"metrics": {k: v for k, v in plain.update(rollout(dist.rank + 2)).items()
+                                              if k in ("value_loss", "grad_norm")},
+                                  "next": plain.update(rollout(dist.rank + 4))["value_loss"],
+                                  "values_after": plain.compute_values(rollout(0).input_ids,
+                                                                       rollout(0).attention_mask).tolist()}
+    plain.close()
     if "--moe" in sys.argv:  # a mixture-of-experts critic written by transformers
         moe_dir = sys.argv[sys.argv.index("--moe") + 1]
         batch = rollout(0)

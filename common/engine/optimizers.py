@@ -1,0 +1,150 @@
+"""The critic's optimizer for the FSDP2 engines (fsdp, veomni): engine.optim.name and state_dtype.
+
+  adamw, float32    torch's fused AdamW (what the engines always built)
+  adamw, bfloat16   AdamW with its two moments stored in bf16 (half the state: 4 bytes a
+                    parameter instead of 8), the arithmetic in fp32 on the fp32 parameters
+  muon, *           torch's Muon (momentum, Newton-Schulz orthogonalisation, lr matched to
+                    AdamW's RMS: adjust_lr_fn="match_rms_adamw") on the backbone's 2-D hidden
+                    matrices; AdamW (in state_dtype) on the rest: embeddings, norms, biases and
+                    the value head (muon_parameters says which)
+
+Parameters are FSDP2 DTensor shards. AdamW is elementwise, so it runs on each rank's shard. Muon's
+orthogonalisation needs whole matrices: each 2-D update is gathered (one all-gather per matrix), every
+rank of the shard group orthogonalises it (the same input: the same result) and keeps its own rows.
+The Newton-Schulz iteration and the lr adjustment are torch's own (torch.optim._muon), so a step
+equals torch.optim.Muon + torch.optim.AdamW on the same parameter groups of an unsharded model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import _muon
+
+from .config import OptimConfig
+from .transforms import trainable_parameters
+
+HEAD_NAMES = ("score", "v_head", "value_head", "lm_head")  # a critic's head, by its module name
+MUON_MOMENTUM, MUON_ADJUST_LR = 0.95, "match_rms_adamw"
+
+
+def muon_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the trainable parameters Muon steps: 2-D weights of the backbone's linear layers
+    (not the embeddings, norms, biases or the value head, which AdamW steps)."""
+    names = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module_name.split(".")[-1] in HEAD_NAMES:
+            continue
+        weight = module.weight
+        if weight.requires_grad and weight.ndim == 2:
+            names.append(f"{module_name}.weight" if module_name else "weight")
+    return names
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer engine.optim names over the model's trainable parameters (see the module docstring)."""
+    if optim.name == "adamw" and optim.state_dtype == "float32":
+        # fused: one kernel for all parameters instead of a dozen elementwise ops per parameter.
+        return torch.optim.AdamW(trainable_parameters(model), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                 weight_decay=optim.weight_decay, fused=True)
+    muon = set(muon_parameters(model)) if optim.name == "muon" else set()
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name not in muon], "kind": "adamw"}]
+    if muon:
+        groups.append({"params": [p for name, p in named if name in muon], "kind": "muon"})
+    return CriticOptimizer([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                           weight_decay=optim.weight_decay, state_dtype=getattr(torch, optim.state_dtype))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class CriticOptimizer(torch.optim.Optimizer):
+    """AdamW and Muon parameter groups (group["kind"]), state in `state_dtype`, on DTensor shards."""
+
+    def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 state_dtype: torch.dtype, momentum: float = MUON_MOMENTUM):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum,
+                    "kind": "adamw"}
+        self.state_dtype = state_dtype
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["kind"] == "muon" and any(p.ndim != 2 for p in group["params"]):
+                raise ValueError("Muon steps 2-D matrices only")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "CriticOptimizer takes no closure"
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["kind"] == "muon":
+                    self._muon(p, group)
+                else:
+                    self._adamw(p, group)
+
+    def _zeros(self, p: torch.Tensor) -> torch.Tensor:
+        # A DTensor like the parameter (same mesh and placements): DCP saves it as one global tensor.
+        return torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+
+    def _adamw(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"], state["exp_avg_sq"] = self._zeros(p), self._zeros(p)
+        state["step"] += 1
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        grad, param = _local(p.grad).float(), _local(p)
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        m = exp_avg.float().lerp_(grad, 1 - beta1)
+        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+        param.addcdiv_(m.to(param.dtype), denom.to(param.dtype), value=-group["lr"] / (1 - beta1 ** step))
+
+    def _muon(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = self._zeros(p)
+        momentum = group["momentum"]
+        grad, buffer = _local(p.grad).float(), _local(state["momentum_buffer"])
+        buf = buffer.float().lerp_(grad, 1 - momentum)
+        buffer.copy_(buf)
+        update = grad.lerp(buf, momentum)  # Nesterov, as torch's Muon by default
+        if isinstance(p, DTensor):  # the whole matrix, then this rank's rows of its orthogonalisation
+            whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            ortho = _muon._zeropower_via_newtonschulz(whole.full_tensor(), (_muon.DEFAULT_A, _muon.DEFAULT_B,
+                                                                            _muon.DEFAULT_C),
+                                                      _muon.DEFAULT_NS_STEPS, _muon.EPS)
+            ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        else:
+            ortho = _muon._zeropower_via_newtonschulz(update, (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C),
+                                                      _muon.DEFAULT_NS_STEPS, _muon.EPS)
+        param = _local(p)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.add_(ortho.to(param.dtype), alpha=-_muon._adjust_lr(group["lr"], MUON_ADJUST_LR, p.shape))
+
+
+
+def optimizer_line(optim: OptimConfig, optimizer=None) -> str:
+    """The run's report of its optimizer: which steps what, the state's dtype, where it lives between
+    steps (`optimizer`: the engine's, for the parameter counts of a CriticOptimizer's groups)."""
+    counts = {}
+    for group in getattr(optimizer, "param_groups", []):
+        if "kind" in group:
+            counts[group["kind"]] = counts.get(group["kind"], 0) + sum(p.numel() for p in group["params"])
+    count = lambda kind: f" ({counts[kind]:,} parameters)" if kind in counts else ""  # noqa: E731
+    if optim.name == "muon":
+        what = (f"muon on the backbone's 2-D hidden matrices{count('muon')}, adamw on embeddings, norms, biases and "
+                f"the value head{count('adamw')}")
+    else:
+        what = "adamw"
+    where = "; in host memory between steps (engine.optim.offload_state)" if optim.offload_state else ""
+    return f"optimizer: {what}; {optim.state_dtype} state{where}"
