@@ -30,7 +30,7 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
                                            ("dp_shares", "--short"), ("offload", "--backends"),
                                            ("scale", "--sweep-tokens"), ("rank_memory", "--ranks"),
                                            ("value_learning", "--losses"), ("gae_speed", "--shapes"),
-                                           ("multi_turn", "--variants")])
+                                           ("multi_turn", "--variants"), ("optimizers", "--skip-jobs")])
 def test_runs_as_a_module(tmp_path, module, option):
     import ast
 
@@ -60,6 +60,26 @@ def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
     # CUDA's allocated / reserved / free bytes around the offload (issue 41, item 7); none on CPU.
     cuda = torch.cuda.is_available()
     assert all((r["device_memory_after_offload"] is not None) == cuda for r in rows), rows
+
+
+def test_the_optimizer_benchmark_counts_each_options_state(tmp_path):
+    """bench/optimizers.py on a tiny critic at 2 ranks: bf16 moments hold half of fp32 AdamW's state,
+    Muon one buffer on its matrices, offload_state none of it on the device between steps."""
+    import json
+
+    out = tmp_path / "optimizers.json"
+    config = os.path.join(os.path.dirname(HERE), "common", "testdata", "configs", "qwen2.json")
+    result = _run([sys.executable, "-m", "critic_adapters.bench.optimizers", "--config", config, "--skip-jobs",
+                   "--repeats", "1", "--out", str(out)], cwd=tmp_path, PYTHONPATH=os.path.dirname(HERE))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    engines = json.loads(out.read_text())["engines"]
+    adamw, bf16, muon, offload = (engines[k] for k in ("adamw", "adamw_bf16", "muon", "adamw_offload"))
+    n = adamw["parameter_count"]
+    assert abs(adamw["optimizer"] / n - 8.0) < 0.01 and adamw["parameters"] == adamw["gradients"] == 4 * n, adamw
+    assert abs(bf16["optimizer"] / adamw["optimizer"] - 0.5) < 0.001, (bf16, adamw)  # the step counters aside
+    assert 4 * n < muon["optimizer"] < adamw["optimizer"], muon
+    assert offload["optimizer"] == adamw["optimizer"] and offload["optimizer_resident_between"] == 0, offload
+    assert "| adamw_offload | 4.00 | 4.00 | 8.00 | 0.00 |" in result.stdout, result.stdout
 
 
 def test_the_scale_benchmark_measures_each_run(tmp_path):

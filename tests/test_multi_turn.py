@@ -141,8 +141,13 @@ def test_a_turn_level_job_on_agent_trajectories_learns_and_resumes_inside_an_ite
     # The loss counted the anchors alone: at most 4 turns per row of a 32-row mini-batch (the action
     # tokens are 8 or more per row).
     assert all(0 < row["valid_tokens"] <= 4 * 32 for row in train), [row["valid_tokens"] for row in train]
-    # Issue 44, 3: the old values' staleness, in critic steps: renewed at each iteration's first step.
+    # Issue 44, 3: the old values' staleness, in critic steps: renewed at each iteration's first step;
+    # the resumed run (from step 16, inside an iteration) goes on with the same numbers.
     assert [row["old_values/staleness_max"] for row in train[:9]] == [0, 1, 2] * 3, train[:9]
+    resumed = [row for row in read_metrics(str(tmp_path / "resumed" / "metrics.jsonl")) if row["split"] == "train"]
+    keys = ("value_loss", "grad_norm", "old_values/staleness_mean", "old_values/staleness_max")
+    assert [[row[k] for k in keys] for row in resumed if row["step"] > 16] == \
+           [[row[k] for k in keys] for row in train if row["step"] > 16]
 
 
 if __name__ == "__main__":

@@ -131,6 +131,10 @@ class StorageOffload:
             torch.cuda.synchronize()
         return back
 
+    def host_bytes(self, kind: str) -> int:
+        """Bytes of `kind` held in host memory now (0 when it is resident)."""
+        return sum(host.nbytes() for _, host in self._held.get(kind, ()))
+
     def drop(self) -> None:
         """Forget the host copies and buffers (the engine is closed)."""
         self._held.clear()
