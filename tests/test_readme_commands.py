@@ -133,6 +133,22 @@ def test_the_python_example_runs(tmp_path):
     assert (tmp_path / "out" / "config.json").is_file()
 
 
+def test_the_readmes_yaml_settings_are_keys_the_job_takes(tmp_path):
+    """Every YAML block of the README written for the job (top-level engine / data / trainer keys)
+    loads as a layer of the job's config: no key or value the job would refuse."""
+    import yaml
+
+    from critic_adapters.common.engine.config import load_train_config
+
+    blocks = [block for block in readme_blocks("yaml")
+              if set(yaml.safe_load(block) or {}) <= {"engine", "data", "trainer", "backend"}]
+    assert len(blocks) >= 2, blocks
+    for index, block in enumerate(blocks):
+        path = tmp_path / f"block{index}.yaml"
+        path.write_text(block)
+        load_train_config([str(path)], [])
+
+
 def test_the_multi_turn_example_runs(tmp_path):
     """The README's multi-turn snippet (GAE with turns, truncation and moved rewards; an update with a
     value mask) on the embedded multi-turn rollouts, with an fsdp engine of a tiny critic."""
