@@ -86,7 +86,7 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str, plan_json: s
     def update(length: int, tokens: int, seed: int) -> dict:
         batch = rollout(max(tokens // length, 1), length, vocab, seed)
         share = data_parallel_shares(batch.attention_mask, engine.dp_size)[engine.dp_rank]
-        mine = type(batch)(*(getattr(batch, f)[share] for f in batch.__dataclass_fields__))
+        mine = batch.map(lambda tensor: tensor[share])
         torch_dist.barrier()
         with MemoryWindow() as memory:
             start = time.perf_counter()
