@@ -1,6 +1,7 @@
 """Hybrid sharding (engine.parallel.replicate, fsdp and VeOmni): 4 gloo ranks as 2 replicas x 2
 shards give what plain FSDP over the same 4 data-parallel ranks gives (values, loss, grad norm,
-the update, the export), and each resumes the other's checkpoint."""
+the update, the export), and each resumes the other's checkpoint; gradients cross the replicas
+once per optimizer step, not once per micro-batch, and the step is the same."""
 
 import pytest
 import torch
@@ -18,10 +19,17 @@ def model_dir(tmp_path_factory):
     return save_tiny_causal_lm("qwen2", str(tmp_path_factory.mktemp("model") / "qwen2"))
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "veomni"])
-def test_two_replicas_of_two_shards_are_plain_fsdp_over_four(tmp_path, model_dir, backend):
-    run_torchrun(4, "critic_adapters.tests.hsdp_worker", backend, model_dir, str(tmp_path), timeout=900)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+@pytest.fixture(scope="module", params=["fsdp", "veomni"])
+def hsdp_run(request, tmp_path_factory, model_dir):
+    """(the worker's output directory, each rank's output) on one backend: one torchrun serves every
+    test of that backend."""
+    out_dir = tmp_path_factory.mktemp(f"hsdp_{request.param}")
+    run_torchrun(4, "critic_adapters.tests.hsdp_worker", request.param, model_dir, str(out_dir), timeout=900)
+    return out_dir, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def test_two_replicas_of_two_shards_are_plain_fsdp_over_four(hsdp_run):
+    out_dir, ranks = hsdp_run
     for rank, out in enumerate(ranks):
         plain, hybrid = out["fsdp4"], out["hsdp2x2"]
         assert plain["dp"] == hybrid["dp"] == (rank, 4)
@@ -41,9 +49,36 @@ def test_two_replicas_of_two_shards_are_plain_fsdp_over_four(tmp_path, model_dir
         assert plain["metrics_resumed"]["grad_norm"] == pytest.approx(hybrid["metrics_resumed"]["grad_norm"], abs=ATOL)
     # The update moved the critic (else the comparisons above say little), and both exports are it.
     assert not torch.allclose(ranks[0]["fsdp4"]["values_before"], ranks[0]["fsdp4"]["values_after"], atol=1e-3)
-    plain_export = load_critic(str(tmp_path / "fsdp4_export"))[0].state_dict()
-    hybrid_export = load_critic(str(tmp_path / "hsdp2x2_export"))[0].state_dict()
+    plain_export = load_critic(str(out_dir / "fsdp4_export"))[0].state_dict()
+    hybrid_export = load_critic(str(out_dir / "hsdp2x2_export"))[0].state_dict()
     assert all(torch.allclose(plain_export[k], hybrid_export[k], atol=ATOL) for k in plain_export)
+
+
+def test_replicas_reduce_gradients_once_per_step(hsdp_run):
+    """Three micro-batches a step (hsdp_worker.reduction_runs): every micro-batch's backward
+    reduce-scatters within the replica, and only the last one all-reduces across replicas, once per
+    FSDP unit; the step (loss, grad norm, the values after) is the one FSDP2's all-reduce after
+    every micro-batch gives. forward_backward, whose caller decides when to step, still all-reduces
+    every call, and a step that failed part-way leaves nothing in the next one."""
+    _, ranks = hsdp_run
+    micro_batches = 3
+    for rank, out in enumerate(ranks):
+        runs = out["reduction"]
+        units = runs["units"]
+        assert units > 1, rank
+        assert runs["each"]["counts"] == {"all_reduce": micro_batches * units,
+                                          "reduce_scatter_single": micro_batches * units}, rank
+        for name in ("once", "after_failure"):
+            assert runs[name]["counts"] == {"all_reduce": units, "reduce_scatter_single": micro_batches * units}, \
+                (rank, name)
+            for key in ("value_loss", "grad_norm", "explained_variance"):
+                assert runs[name]["metrics"][key] == pytest.approx(runs["each"]["metrics"][key], abs=ATOL), \
+                    (rank, name, key)
+            assert torch.allclose(runs[name]["values_after"], runs["each"]["values_after"], atol=ATOL), (rank, name)
+        assert runs["forward_backward"] == {"all_reduce": units, "reduce_scatter_single": units}, rank
+    # The update moved the critic: the values after it are not the ones before.
+    assert not torch.allclose(ranks[0]["reduction"]["each"]["values_after"], ranks[0]["hsdp2x2"]["values_before"],
+                              atol=1e-3)
 
 
 def test_replicate_must_divide_the_data_parallel_degree():

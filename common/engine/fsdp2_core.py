@@ -193,6 +193,29 @@ class FSDP2Engine(Offloadable):
                                   forward_only=forward_only)
 
     @contextlib.contextmanager
+    def _replica_reduction(self, *, last: bool):
+        """Around one micro-batch's forward and backward in a step. With HSDP, gradients cross the
+        replicas once per step, in the last micro-batch's backward: earlier ones only reduce-scatter
+        within the replica, FSDP2 summing their shards until then (FSDPModule.set_requires_all_reduce).
+        The micro-batches must then give every unit's parameters gradients alike (true of a model
+        whose whole graph runs each forward). A failure drops those sums, which zero_grad does not
+        reach (FSDPModule.reset_iter_state). Left all-reducing: forward_backward does every call,
+        as only its caller knows which is the last before step_optimizer."""
+        hsdp = self.parallel.replicate_size > 1
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if hsdp else []
+        for unit in units:
+            unit.set_requires_all_reduce(last, recurse=False)
+        try:
+            yield
+        except BaseException:
+            if units and isinstance(self.model, FSDPModule):
+                self.model.reset_iter_state()
+            raise
+        finally:
+            for unit in units:
+                unit.set_requires_all_reduce(True, recurse=False)
+
+    @contextlib.contextmanager
     def _forward(self, mb: MicroBatch, row_length: int, *, bins: bool = False):
         """Yields (values of the micro-batch's rows laid out [len(rows), row_length], the raw model
         output); bins=True: an HL-Gauss critic's bin logits instead ([len(rows), row_length, num_bins]).
@@ -243,8 +266,9 @@ class FSDP2Engine(Offloadable):
         bins = stats.support is not None  # HL-Gauss: the loss takes the bin logits
         micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
         aux = router_aux.StepAux.of(self.config.loss.router_aux_coef, self.aux_experts, micro_batches, self.dp_group)
-        for mb in micro_batches:
-            with aux.capture(self.model) as logits, self._forward(mb, batch.input_ids.shape[1], bins=bins) as (values, raw):
+        for index, mb in enumerate(micro_batches):
+            with self._replica_reduction(last=index == len(micro_batches) - 1), aux.capture(self.model) as logits, \
+                    self._forward(mb, batch.input_ids.shape[1], bins=bins) as (values, raw):
                 if not mb.rows:
                     (raw.sum() * 0.0).backward()  # keep this rank in step with the others' collectives
                     continue
