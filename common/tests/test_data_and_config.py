@@ -53,6 +53,26 @@ def test_parquet_and_jsonl_read_the_same(tmp_path):
     assert a.attention_mask.sum(dim=1).tolist() == [len(r["input_ids"]) for r in records]
 
 
+def test_multi_turn_fields_read_the_same_from_parquet_and_jsonl(tmp_path):
+    """Issue 42: turn_ids, value_mask and truncated (a bool column) through both formats alike."""
+    from critic_adapters.common.learning.multi_turn import make_multi_turn_records
+
+    records = make_multi_turn_records(24, seed=5)
+    for record in records:
+        record["value_mask"] = [int(m and t == 0) for m, t in zip(record["response_mask"], record["turn_ids"])]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "r.parquet")
+    with open(tmp_path / "r.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    kwargs = {"off_mask_rewards": "previous", "timestep_unit": "turn"}
+    a = load_rollouts(str(tmp_path / "r.parquet"), 1000, **kwargs)
+    b = load_rollouts(str(tmp_path / "r.jsonl"), 1000, **kwargs)
+    for name in ("input_ids", "rewards", "value_mask", "turn_ids", "truncated"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.truncated.dtype == torch.bool and a.truncated.tolist() == [r["truncated"] for r in records]
+    assert int((a.turn_ids[a.attention_mask == 0] != -1).sum()) == 0  # padding is off the response
+    assert torch.equal(a.loss_mask, a.value_mask) and int(a.value_mask.sum()) < int(a.response_mask.sum())
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda r: r.update(returns=r["rewards"]), "both 'returns' and 'rewards'"),
     (lambda r: r["response_mask"].__setitem__(0, 1), "response_mask[0] is 1"),
