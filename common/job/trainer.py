@@ -22,6 +22,7 @@ import os
 import torch
 
 from ..storage import checkpoints
+from ..storage.checkpoints import EXTRA_TENSORS
 from ..engine.config import TrainConfig, to_yaml
 from ..learning.data import (Rollouts, gae, load_rollouts, make_default_records, split_held_out, to_rollouts,
                              validate_records)
@@ -37,7 +38,8 @@ from .telemetry import Telemetry
 from .plan import PREPARED, JobPlan, plan_job, record_processes
 from .run_lock import run_dir_lock
 
-OLD_VALUES = "old_values"  # a checkpoint's extra state: the PPO iteration's old values, response tokens only
+# A checkpoint's extra tensors: the PPO iteration's old values, response tokens only,
+OLD_VALUES = "old_values"
 RETURNS = "returns"  # ... and its returns, when the job renews them (truncated rows bootstrap from the critic)
 VERSIONS = "old_values_versions"  # ... and the critic versions that computed those old values
 EMBEDDED_ROLLOUTS = {"embedded:default": make_default_records, "embedded:multi_turn": make_multi_turn_records}
@@ -461,16 +463,16 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
             if step_in_epoch + 1 == steps_per_epoch:
                 next_position = {"epoch": epoch + 1, "step_in_epoch": 0, "global_step": step}
             if trainer.save_every_steps and step % trainer.save_every_steps == 0 and step != total_steps:
-                state = dict(next_position)
+                tensors = {}
                 if refresh and next_position["step_in_epoch"] % per_iteration:  # the iteration goes on with these
                     iteration = _iteration_rows(order, next_position["step_in_epoch"], per_iteration, mini)
                     response = train.response_mask[iteration].bool()
                     if refresh.old_values:
-                        state[OLD_VALUES] = train.old_values[iteration][response]
-                        state[VERSIONS] = train.versions[iteration]
+                        tensors[OLD_VALUES] = train.old_values[iteration][response]
+                        tensors[VERSIONS] = train.versions[iteration]
                     if refresh.returns:
-                        state[RETURNS] = train.returns[iteration][response]
-                _save(engine, ckpt_root, step, state, trainer.keep_last, main, say)
+                        tensors[RETURNS] = train.returns[iteration][response]
+                _save(engine, ckpt_root, step, next_position, trainer.keep_last, main, say, tensors)
         held = evaluate(engine, held_out, config, dist)
         metrics_log.log(step, held, prefix="eval", epoch=epoch + 1)
         # Like with like: with HL-Gauss the train loss is a cross-entropy, the held-out loss an MSE.
@@ -492,10 +494,12 @@ def _iteration_rows(order: torch.Tensor, step_in_epoch: int, per_iteration: int,
 def _restore_targets(train: Rollouts, rows: torch.Tensor, position: dict, renewed: Renewal) -> None:
     """The renewed targets of the PPO iteration a checkpoint stopped in, back into `train`."""
     mask = train.response_mask[rows].bool()
+    # The checkpoint's extra tensors (a run from before them: its extra state).
+    tensors = position.get(EXTRA_TENSORS) or position
     for key, on in ((OLD_VALUES, renewed.old_values), (RETURNS, renewed.returns)):
         if not on:
             continue
-        saved = position.get(key)
+        saved = tensors.get(key)
         if saved is None or saved.numel() != int(mask.sum()):
             raise ValueError(f"--resume: the checkpoint lacks the {key.replace('_', ' ')} of the PPO iteration it "
                              f"stopped in (or they do not fit {PREPARED}); resume from a checkpoint of this run")
@@ -503,8 +507,8 @@ def _restore_targets(train: Rollouts, rows: torch.Tensor, position: dict, renewe
         part = target[rows]
         part[mask] = saved.to(target.dtype)
         target[rows] = part
-    if renewed.old_values and position.get(VERSIONS) is not None:  # a checkpoint from before versions: keep them
-        train.versions[rows] = position[VERSIONS]
+    if renewed.old_values and tensors.get(VERSIONS) is not None:  # a checkpoint from before versions: keep them
+        train.versions[rows] = tensors[VERSIONS]
 
 
 def lora_line(lora) -> str:
@@ -522,9 +526,13 @@ def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
     return f"held-out rollout 0, first response tokens: values {values} vs returns {returns}"
 
 
-def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say) -> None:
+def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say,
+          tensors: dict | None = None) -> None:
+    """A checkpoint of the engine with the data position, and the PPO iteration's renewed targets
+    (`tensors`) as its extra tensors."""
     directory = checkpoints.step_dir(root, step)
-    checkpoints.save_with_space_check(engine, root, directory, position, main=main, group=world_group())
+    checkpoints.save_with_space_check(engine, root, directory, position, main=main, group=world_group(),
+                                      extra_tensors=tensors)
     if main:
         checkpoints.mark_latest(root, directory)
         checkpoints.prune(root, keep_last=keep_last)

@@ -278,18 +278,20 @@ def _caused_by_full_disk(err: BaseException | None) -> bool:
     return False
 
 
-def save_with_space_check(engine, root: str, directory: str, extra_state: dict, *, main: bool, group) -> None:
-    """engine.save_checkpoint(directory, extra_state) (collective), refused on every rank alike when
+def save_with_space_check(engine, root: str, directory: str, extra_state: dict, *, main: bool, group,
+                          extra_tensors: dict | None = None) -> None:
+    """engine.save_checkpoint(directory, extra_state, extra_tensors) (collective), refused on every rank alike when
     the disk of `root` (the main rank's view) has less free space than the save needs; a save that
     fails on a full disk is a ValueError naming the disk, the sizes and the last good checkpoint."""
     # A write that runs out of space half-way fails with messages that never mention the disk.
-    needed = engine.checkpoint_bytes() + sum(value.numel() * value.element_size() for value in extra_state.values()
+    tensors = [*extra_state.values(), *(extra_tensors or {}).values()]
+    needed = engine.checkpoint_bytes() + sum(value.numel() * value.element_size() for value in tensors
                                              if isinstance(value, torch.Tensor))
     free = broadcast_object(shutil.disk_usage(root).free if main else None, group=group)
     if needed > free:
         raise ValueError(_disk_full_message(root, directory, needed, free))
     try:
-        engine.save_checkpoint(directory, extra_state)
+        engine.save_checkpoint(directory, extra_state, extra_tensors)
     except Exception as err:
         free = shutil.disk_usage(root).free
         if free < needed or _caused_by_full_disk(err):
