@@ -28,10 +28,11 @@ from torch.distributed.fsdp import FSDPModule
 from . import parallelize, value_model
 from .quiet import veomni_output
 from ...common.engine.config import compute_dtype
-from ...common.engine.fsdp2_core import DTYPES, FSDP2Engine, attention_for, quiet_fsdp_views
+from ...common.engine.fsdp2_core import DTYPES, FSDP2Engine, attention_for
 from ...common.parallel import kernels
 from ...common.engine.mesh import ParallelMesh, build_mesh
 from ...common.engine.pipeline import build_sharded, engine_transforms
+from ...common.engine.transforms import apply_transforms
 from ...common.valuehead.config import install_value_head
 from ...common.valuehead.load import plan_load
 
@@ -90,7 +91,8 @@ class VeOmniCriticEngine(FSDP2Engine):
         """The pipeline: the shard group's first rank loads and transforms the critic; VeOmni builds
         the same tree (on meta with 2+ shard ranks, in place with one), the transforms rewrite it,
         VeOmni parallelises and materialises it, and every rank fills its part from the first rank's
-        state (a name either side lacks is an error); then the dispatch checks."""
+        state (a name either side lacks is an error); then the dispatch checks, the probe on the
+        critic's one-layer twin (value_model.probe_config)."""
         model_cfg, fsdp = self.config.model, self.shard_size > 1
         transforms = engine_transforms(self.config)
         load_kwargs = dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
@@ -98,16 +100,18 @@ class VeOmniCriticEngine(FSDP2Engine):
                            value_head=self.config.loss.support, init_from_scalar_head=model_cfg.init_from_scalar_head)
         device = self.dist.device
         # VeOmni applies bf16 mixed precision only through FSDP2 (with 2+ shard ranks; parallelize.py).
-        attention = attention_for(self.config, self.hf_config, compute_dtype(self.config, mixed_precision_applies=fsdp))
+        compute = compute_dtype(self.config, mixed_precision_applies=fsdp)
+        attention = attention_for(self.config, self.hf_config, compute)
         attn = attention.kernel
         ops = kernels.veomni_ops(have=kernels.installed())
 
-        def build_tree(report):  # VeOmni's own build: on meta when sharded, at random (overwritten) with one rank
+        def build_tree(report, config=self.hf_config, *, init_device="meta" if fsdp else device.type,
+                       dtype=model_cfg.dtype):
+            # VeOmni's own build: on meta when sharded, at random (overwritten) with one rank
             with self._veomni_build():
-                model = value_model.build_critic(self.hf_config, weights_path=None, dtype=model_cfg.dtype,
-                                                 attn_implementation=attn, init_device="meta" if fsdp else device.type,
-                                                 fused_ops=ops.kernel)
-            value_model.check_class(model, self.hf_config)
+                model = value_model.build_critic(config, weights_path=None, dtype=dtype, attn_implementation=attn,
+                                                 init_device=init_device, fused_ops=ops.kernel)
+            value_model.check_class(model, config)
             return install_value_head(model)
 
         def parallelize_tree(model):  # VeOmni materialises the shards (filled after)
@@ -119,8 +123,15 @@ class VeOmniCriticEngine(FSDP2Engine):
             dtype=DTYPES[model_cfg.dtype], attn_implementation=attn, load_kwargs=load_kwargs, transforms=transforms,
             build_tree=build_tree, parallelize=parallelize_tree)
         value_model.check_materialized(model)
-        with quiet_fsdp_views():
-            value_model.check_probe_output(model, self.hf_config, device, sp_group=self.sp_group)
+        # The probe's forward runs on a twin built as the critic was, whole on this device in the
+        # critic's compute dtype (random weights: the outcome does not depend on them), not on the
+        # sharded critic, whose forward would gather whole layers.
+        twin_cfg = value_model.probe_config(self.hf_config)
+        twin = apply_transforms(build_tree(report, twin_cfg, init_device=device.type,
+                                           dtype=str(compute).removeprefix("torch.")), transforms)
+        assert isinstance(model, type(twin)), (type(model), type(twin))
+        value_model.check_probe_output(twin, twin_cfg, device, sp_group=self.sp_group)
+        del twin
         reshard(model)
         report.attn_implementation = model.config._attn_implementation
         report.kernels = f"attention {attention}; VeOmni ops {ops}"

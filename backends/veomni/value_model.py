@@ -3,7 +3,7 @@ loaded critic (by HF parameter name), and a guarded dispatch that cannot silentl
 
   common.valuehead.critic_config --> build_foundation_model (VeOmni's registry picks the class)
   --> check_class: the class, no lm_head, a [1, H] head; after the weights are in: nothing on
-  meta, [B, T, 1] on a probe
+  meta, and [B, T, 1] on a probe of the critic's one-layer twin (probe_config)
 
 VeOmni builds a model from `config.architectures` through a per-family registry function. Its
 fallback for an architecture it does not recognise is the family's *ForCausalLM (0.1.12's
@@ -129,11 +129,36 @@ def check_materialized(model: torch.nn.Module) -> None:
             f"through common.engine.build_engine after common.parallel.distributed.init_distributed")
 
 
+# The probe's twin (probe_config): one layer, a 32-token vocabulary and MLPs 32 wide.
+PROBE_WIDTH = 32
+_MLP_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def probe_config(critic_cfg):
+    """The config of the critic's twin that check_probe_output runs on: a copy of `critic_cfg` with
+    one layer, a vocabulary of at most PROBE_WIDTH tokens and MLPs at most PROBE_WIDTH wide. VeOmni
+    builds it as the same class with the same head, attention shapes (head counts, head_dim, hidden
+    size: a Ulysses split and rotary sections stay valid) and kernels, so the probe's outcome is the
+    critic's, for a few MiB at any model size; a forward of the sharded critic itself gathers whole
+    layers (0.72x of a 4-layer critic per rank). The probe's token ids (0-3) are the same in both."""
+    config = copy.deepcopy(critic_cfg)
+    text = config.get_text_config()
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None) is not None:  # transformers' per-layer list (sliding / full, linear)
+        text.layer_types = text.layer_types[:1]
+    text.vocab_size = min(text.vocab_size, PROBE_WIDTH)
+    if getattr(text, "pad_token_id", None) is not None and text.pad_token_id >= text.vocab_size:
+        text.pad_token_id = None  # the embedding's padding row: outside the small vocabulary
+    for name in _MLP_WIDTHS:
+        if getattr(text, name, None):
+            setattr(text, name, min(getattr(text, name), PROBE_WIDTH))
+    return config
+
+
 @torch.no_grad()
-def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device, sp_group=None) -> None:
-    """A [1, 4] probe gives [1, 4, 1] real (not meta) outputs. Every rank runs it (FSDP collectives;
-    with a Ulysses group, each rank its share of the probe's columns)."""
-    expected = architecture_name(critic_cfg)
+def probe_output(model: torch.nn.Module, critic_cfg, device: torch.device, sp_group=None) -> torch.Tensor:
+    """`model`'s output on a [1, 4] probe (token ids 0-3; with a Ulysses group, each rank runs its share
+    of the columns and gets the whole row back). Every rank runs it (collectives when `model` is sharded)."""
     ids = torch.arange(4)[None] % critic_cfg.get_text_config().vocab_size
     positions = torch.arange(4)[None]
     was_training = model.training
@@ -148,6 +173,14 @@ def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device,
                            use_cache=False).logits
             logits = logits if logits.is_meta else split.gather(logits)
     model.train(was_training)
+    return logits
+
+
+def check_probe_output(model: torch.nn.Module, critic_cfg, device: torch.device, sp_group=None) -> None:
+    """A [1, 4] probe (probe_output) gives [1, 4, 1] real (not meta) outputs. The engine runs it on the
+    critic's twin (probe_config), `critic_cfg` the twin's config."""
+    expected = architecture_name(critic_cfg)
+    logits = probe_output(model, critic_cfg, device, sp_group=sp_group)
     if logits.is_meta:
         raise _dispatch_error("its output on a probe is on the meta device (weights never loaded)", model, expected)
     if tuple(logits.shape) != (1, 4, 1):

@@ -1,6 +1,7 @@
 """Guarded dispatch: a VeOmni build that is not the critic form is a clear error, never [B, T, vocab]
 values; string dropouts become floats; unregistered families get VeOmni's transformers path or a
-clear error; nothing on meta; Ulysses refused on CPU."""
+clear error; nothing on meta; Ulysses refused on CPU; the probe on the critic's one-layer twin
+decides as the probe on the critic itself did."""
 
 import json
 import os
@@ -14,10 +15,15 @@ from critic_adapters.backends.veomni.tests.launch import run_torchrun, worker_en
 from critic_adapters.common.engine.config import EngineConfig, ParallelConfig
 from critic_adapters.common.tests import checkpoint_builders
 from critic_adapters.common.tests.helpers import padded_batch, run_pytest
+from critic_adapters.common.testdata import tiny_config
 from critic_adapters.common.valuehead import compute_values, load_critic
+from critic_adapters.common.valuehead.config import critic_class, critic_config, head_name
 
 VALUES = "critic_adapters.backends.veomni.tests.values_worker"
 DISPATCH = "critic_adapters.backends.veomni.tests.dispatch_worker"
+PROBE = "critic_adapters.backends.veomni.tests.probe_worker"
+# Families VeOmni models with a TokenCls class in transformers and a tiny config (common/testdata).
+TWIN_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +102,62 @@ def test_the_declared_families_are_the_installed_veomnis_registry():
         from veomni.models.loader import MODELING_REGISTRY
 
     assert sorted(VEOMNI_FAMILIES) == sorted(MODELING_REGISTRY.valid_keys())
+
+
+@pytest.mark.parametrize("family", [*TWIN_FAMILIES, "gemma3_text", "qwen2_vl"])  # and two generic critics
+def test_the_probes_twin_is_the_critics_class_with_one_layer(family):
+    critic = critic_config(tiny_config(family))
+    layers = critic.get_text_config().num_hidden_layers
+    twin = value_model.probe_config(critic)
+    assert critic_class(twin) is critic_class(critic) and head_name(twin) == head_name(critic)
+    assert twin.num_labels == critic.num_labels and twin.architectures == critic.architectures
+    text, twin_text = critic.get_text_config(), twin.get_text_config()
+    assert twin_text.num_hidden_layers == 1 and text.num_hidden_layers == layers  # the critic's config: a copy
+    assert twin_text.vocab_size <= value_model.PROBE_WIDTH
+    for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "model_type"):
+        assert getattr(twin_text, name, None) == getattr(text, name, None), name
+
+
+@pytest.mark.parametrize("layers", [1, 4, 24])
+def test_the_probes_twin_is_a_fifth_of_the_critic_at_most(layers):
+    """tests/test_rank_memory.py's 4-layer critic's shape (hidden 1024, MLPs 3520, 2048 tokens), at 1 to 24
+    layers: the twin's parameters (built on meta) are at most 0.2x the critic's."""
+    from transformers import Qwen2Config
+
+    def parameters(config) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in critic_class(config)(config).parameters())
+
+    critic = critic_config(Qwen2Config(hidden_size=1024, intermediate_size=3520, num_hidden_layers=layers,
+                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=2048))
+    assert parameters(value_model.probe_config(critic)) <= 0.2 * parameters(critic)
+
+
+def test_the_probe_on_the_twin_decides_as_on_the_critic(root):
+    """Issue 44, item 4: the engine probes a one-layer twin (value_model.probe_config), not the sharded
+    critic (whose forward gathered whole layers: 0.72x of a 4-layer critic per rank). At 2 ranks (FSDP;
+    Ulysses 2), per family and head, the twin's output on the probe, and check_probe_output's decision,
+    are the critic's; a transform that reshapes the head's output is refused on both."""
+    cases = {family: (checkpoint_builders.moe_token_classification(str(root), family)[0]
+                      if family in ("qwen3_moe", "deepseek_v3") else
+                      checkpoint_builders.token_classification(str(root), family=family)[0])
+             for family in TWIN_FAMILIES}
+    for variant in ("ulysses", "hl_gauss", "lora", "bad_head"):
+        cases[f"qwen2-{variant}"] = cases["qwen2"]
+    out = str(root / "probe.pt")
+    run_torchrun(2, PROBE, out, *(f"{case}={path}" for case, path in cases.items()))
+    results = torch.load(out)
+    assert sorted(results) == sorted(cases)
+    for case, result in results.items():
+        (twin_meta, twin_shape, twin_error), (meta, shape, error) = result["twin"], result["critic"]
+        assert (twin_meta, twin_shape) == (meta, shape), (case, result)
+        assert (twin_error is None) == (error is None), (case, result)
+        assert result["twin_parameters"] < result["critic_parameters"], (case, result)
+        if case.endswith("bad_head"):
+            refused = "on a [1, 4] probe it returns [1, 4, 1, 1], not [1, 4, 1]"
+            assert refused in twin_error and refused in error, (twin_error, error)
+        else:
+            assert shape == (1, 4, 1) and not meta and error is None, (case, result)
 
 
 def test_veomnis_ops_are_eager_unless_the_policy_chooses_liger(monkeypatch):
