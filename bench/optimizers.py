@@ -12,7 +12,8 @@ gradients of one row of `--tokens` tokens and, timed alone, the optimizer step. 
 the bytes torch holds for the parameters, the gradients and the optimizer state (all ranks; the
 state wherever it lives: with offload_state it is in host memory between steps and the device holds
 none of it), per parameter of the critic, and the step's median time, with its ratio to fp32 AdamW's.
-These byte counts are the same on any machine (tensor sizes, not the allocator's resident memory).
+These byte counts are the same on any machine (tensor sizes, not the allocator's resident memory:
+bench/tensor_bytes.py state_bytes, shared with the other benchmarks).
 
 Part 2: the default training job (fsdp, 2 processes, embedded rollouts, 4 epochs) per option: its
 final held-out explained variance.
@@ -42,22 +43,12 @@ OPTIONS = {"adamw": {}, "adamw_bf16": {"state_dtype": "bfloat16"}, "muon": {"nam
            "muon_bf16": {"name": "muon", "state_dtype": "bfloat16"}, "adamw_offload": {"offload_state": True}}
 
 
-def state_bytes(engine) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state, wherever the state is now."""
-    from torch.distributed.tensor import DTensor
+def held_bytes(engine) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (bench/tensor_bytes.py), and of
+    the optimizer state on the device now."""
+    from critic_adapters.bench.tensor_bytes import state_bytes
 
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    def size(tensors):
-        return sum(local(t).numel() * local(t).element_size() for t in tensors)
-
-    params = list(engine.model.parameters())
-    offloaded = engine._offload_state  # the host copies of what offload_state keeps off the device
-    state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    optimizer = size(state) if "optimizer" not in engine.offloaded else offloaded.host_bytes("optimizer")
-    return {"parameters": size(params), "gradients": size(p.grad for p in params if p.grad is not None),
-            "optimizer": optimizer, "optimizer_resident": engine.resident_bytes()["optimizer"]}
+    return {**state_bytes(engine), "optimizer_resident": engine.resident_bytes()["optimizer"]}
 
 
 def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int) -> None:
@@ -84,7 +75,7 @@ def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int
         seconds = []
         for seed in range(repeats):
             engine.accumulate_gradients(rollout(1, tokens, vocab, seed + 1))
-            held = state_bytes(engine)  # gradients present, before the step frees them
+            held = held_bytes(engine)  # gradients present, before the step frees them
             torch_dist.barrier()
             start = time.perf_counter()
             engine.step_optimizer()

@@ -13,10 +13,15 @@ reports, over the model's bytes:
               partition plus DDP's fp32 gradient buffer)
   transient   load peak minus kept
   export      the export's peak above what the rank held before it (files of at most 48 MiB)
+  held by torch  the bytes of the rank's parameters, gradients and optimizer state after the build
+              (bench/tensor_bytes.py state_bytes: tensor sizes, the same on any machine, where the
+              resident figures above move with the allocator and the machine); on CUDA also the
+              build's and the export's torch.cuda.max_memory_allocated above what was allocated
+              before each (device load peak, device export peak)
 and the engine's values are checked against plain transformers. Before the measured build each
 rank builds one tiny critic of the same family (the backend's imports and process-wide buffers
-are not the model's). Printed last: `rank memory: <backend> <layout> load <max> export <max>`
-lines, the largest over ranks.
+are not the model's). Printed last: `rank memory: <backend> <layout> load <max> transient
+<max> export <max> held by torch <max>` lines, the largest over ranks.
 
   python -m critic_adapters.bench.rank_memory --worker BACKEND LAYOUT MODEL_DIR WORKDIR
 is one layout's torchrun worker (tests/test_rank_memory.py runs it): each rank writes
@@ -65,7 +70,8 @@ def write_critic_model(path: str, **sizes) -> int:
 
 
 def write_warmup_model(path: str, model_dir: str) -> None:
-    """A tiny critic of the model's family (its config kept in common/testdata; Qwen2 for the others)."""
+    """A tiny critic of the model's family (its config kept in common/testdata, at least 4 layers;
+    Qwen2 for the others)."""
     from transformers import AutoModelForTokenClassification
 
     from critic_adapters.common.testdata import FAMILIES, tiny_config
@@ -77,6 +83,10 @@ def write_warmup_model(path: str, model_dir: str) -> None:
         write_critic_model(path, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
         return
     config = tiny_config(family)
+    if config.to_dict().get("num_hidden_layers", 4) < 4:  # a layer for each stage of pipeline=4
+        fields = {**config.to_dict(), "num_hidden_layers": 4}
+        fields.pop("layer_types", None)  # one per layer: the config's default for 4
+        config = type(config)(**fields)
     config.num_labels = 1
     torch.manual_seed(0)
     with quiet_transformers():
@@ -88,6 +98,18 @@ def ratios(record: dict, model_bytes: int) -> dict:
             "kept": (record["after_build"] - record["base"]) / model_bytes,
             "transient": (record["build_peak"] - record["after_build"]) / model_bytes,
             "export_peak": (record["export_peak"] - record["export_base"]) / model_bytes}
+
+
+def torch_ratios(record: dict, model_bytes: int) -> dict:
+    """What torch holds of the critic after the build (bench/tensor_bytes.py state_bytes: the
+    parameters, gradients and optimizer state, from tensor sizes) and, on CUDA, the build's and the
+    export's max_memory_allocated above what was allocated before (None off CUDA), over the model's
+    bytes: figures that do not move with the allocator or the machine."""
+    held = record["held_after_build"]
+    device = {key: None if record[f"device_{key}_added"] is None else record[f"device_{key}_added"] / model_bytes
+              for key in ("build_peak", "export_peak")}
+    return {"held": sum(held.values()) / model_bytes, **{f"held_{k}": v / model_bytes for k, v in held.items()},
+            **{f"device_{k}": v for k, v in device.items()}}
 
 
 def plain_values(path: str) -> torch.Tensor:
@@ -113,11 +135,12 @@ def layout_sizes(layout: str) -> dict[str, int]:
 
 
 def measured_build(backend: str, config, dist, workdir: str):
-    """(the engine, the MemoryWindow of its build) on every rank. One build of a tiny critic of the
-    same family comes first: the imports and process-wide buffers the backend sets up once are not
-    what a rank holds of this model."""
+    """(the engine, the MemoryWindow of its build, its DevicePeak) on every rank. One build of a tiny
+    critic of the same family comes first: the imports and process-wide buffers the backend sets up
+    once are not what a rank holds of this model."""
     import torch.distributed as torch_dist
 
+    from critic_adapters.bench.tensor_bytes import DevicePeak
     from critic_adapters.common.engine.config import ModelConfig
     from critic_adapters.common.engine.registry import build_engine
     from critic_adapters.common.parallel.host_memory import MemoryWindow
@@ -128,30 +151,34 @@ def measured_build(backend: str, config, dist, workdir: str):
     torch_dist.barrier()
     build_engine(backend, dataclasses.replace(config, model=ModelConfig(path=warmup)), dist).close()
     torch_dist.barrier()
-    with MemoryWindow() as build:
+    with MemoryWindow() as build, DevicePeak() as device:
         engine = build_engine(backend, config, dist)
         torch_dist.barrier()
-    return engine, build
+    return engine, build, device
 
 
 def worker(backend: str, layout: str, model_dir: str, workdir: str) -> None:
     import torch.distributed as torch_dist
 
+    from critic_adapters.bench.tensor_bytes import DevicePeak, state_bytes
     from critic_adapters.common.engine.config import EngineConfig, ModelConfig, ParallelConfig
     from critic_adapters.common.parallel.distributed import init_distributed, shutdown
     from critic_adapters.common.parallel.host_memory import MemoryWindow
 
     dist = init_distributed()
     config = EngineConfig(model=ModelConfig(path=model_dir), parallel=ParallelConfig(**layout_sizes(layout)))
-    engine, build = measured_build(backend, config, dist, workdir)
+    engine, build, build_device = measured_build(backend, config, dist, workdir)
+    held = state_bytes(engine)  # what torch holds of the critic after the build
     ids, mask = probe_batch()
     values = engine.compute_values(ids, mask)
     torch_dist.barrier()
-    with MemoryWindow() as export:
+    with MemoryWindow() as export, DevicePeak() as export_device:
         engine.export_hf(os.path.join(workdir, "export"), max_shard_size=EXPORT_SHARD)
         torch_dist.barrier()
     record = {"base": build.base, "build_peak": build.peak, "after_build": build.after,
-              "export_base": export.base, "export_peak": export.peak, "report": str(engine.load_report)}
+              "export_base": export.base, "export_peak": export.peak, "report": str(engine.load_report),
+              "held_after_build": held, "device_build_peak_added": build_device.added,
+              "device_export_peak_added": export_device.added}
     if dist.is_main:
         record["values"] = values.tolist()
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
@@ -185,19 +212,22 @@ def main(argv=None) -> int:
         expected = plain_values(model_dir)
         mask = probe_batch()[1].bool()
         print(f"critic: {model_bytes / 2**20:.0f} MiB fp32; ratios are of that")
-        print("| backend | layout | ranks | load peak | kept | transient | export peak |")
-        print("|---|---|---|---|---|---|---|")
+        cuda = torch.cuda.is_available()
+        print("| backend | layout | ranks | load peak | kept | transient | export peak | held by torch |"
+              + (" device load peak | device export peak |" if cuda else ""))
+        print("|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else ""))
         for ranks in map(int, args.ranks.split(",")):
             for backend, layout in LAYOUTS[ranks]:
                 workdir = os.path.join(tmp, f"{backend}-{layout}-{ranks}")
                 os.makedirs(workdir)
                 records = run_layout(backend, layout, ranks, model_dir, workdir)
                 error = float((torch.tensor(records[0]["values"]) - expected).abs()[mask].max())
-                per_rank = [ratios(r, model_bytes) for r in records]
+                per_rank = [{**ratios(r, model_bytes), **torch_ratios(r, model_bytes)} for r in records]
                 rows.append({"backend": backend, "layout": layout, "ranks": ranks, "per_rank": per_rank,
                              "values_max_error": error})
+                keys = ("load_peak", "kept", "transient", "export_peak", "held")
                 cells = [" / ".join(f"{r[key]:.2f}" for r in per_rank)
-                         for key in ("load_peak", "kept", "transient", "export_peak")]
+                         for key in keys + (("device_build_peak", "device_export_peak") if cuda else ())]
                 print(f"| {backend} | {layout} | {ranks} | " + " | ".join(cells) + " |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
@@ -206,7 +236,8 @@ def main(argv=None) -> int:
         print(f"rank memory: {row['backend']} {row['layout']} ({row['ranks']} ranks) load "
               f"{max(r['load_peak'] for r in row['per_rank']):.2f} transient "
               f"{max(r['transient'] for r in row['per_rank']):.2f} export "
-              f"{max(r['export_peak'] for r in row['per_rank']):.2f} values error {row['values_max_error']:.1e}")
+              f"{max(r['export_peak'] for r in row['per_rank']):.2f} held by torch "
+              f"{max(r['held'] for r in row['per_rank']):.2f} values error {row['values_max_error']:.1e}")
     return 0
 
 

@@ -16,10 +16,15 @@ update, then one measured update of `--tokens` tokens in rows of 512: tokens/s, 
 FLOPs of common/job/telemetry.py over the update's time x every rank's measured matmul peak; the
 recomputation of checkpointing is not counted, as MFU never counts it) and the update's peak
 resident memory per rank, per parameter (fp32 AdamW's state is 16 bytes per parameter, over the
-ranks that shard it). The first backend at 1 rank then times updates of 4096 tokens in rows of
-512, 1k, 2k and 4k tokens, and of 1k, 2k and 4k tokens in rows of 512. Printed last, per backend
-(its largest rank count):
-  scale: <backend> mfu=<x> peak/param=<bytes>
+ranks that shard it). Beside that resident figure, which moves with the allocator and the machine,
+what torch itself holds (bench/tensor_bytes.py; the same on any machine): the rank's parameter,
+gradient and optimizer-state bytes after the updates, per parameter of the whole critic (held by
+torch), the most bytes the measured update's forward had saved for its backward (saved for
+backward; parameters and checkpoint recomputation left out), and on CUDA the update's
+torch.cuda.max_memory_allocated above what was allocated before it. The first backend at 1 rank
+then times updates of 4096 tokens in rows of 512, 1k, 2k and 4k tokens, and of 1k, 2k and 4k tokens
+in rows of 512. Printed last, per backend (its largest rank count):
+  scale: <backend> mfu=<x> peak/param=<bytes> held/param=<bytes> saved_mib=<MiB>
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str, plan_json: s
                                                       ParallelConfig)
     from critic_adapters.bench.offload import rollout
     from critic_adapters.bench.rank_memory import layout_sizes, measured_build
+    from critic_adapters.bench.tensor_bytes import DevicePeak, SavedForBackward, over_ranks, state_bytes
     from critic_adapters.common.engine.registry import model_critic_config
     from critic_adapters.common.job.telemetry import ModelShape, device_peak
     from critic_adapters.common.parallel.batching import data_parallel_shares
@@ -77,7 +83,7 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str, plan_json: s
                           batching=BatchingConfig(micro_batch_tokens=max(length for length, _ in plan)),
                           gradient_checkpointing=True, parallel=ParallelConfig(**layout_sizes(layout)))
     world = torch_dist.group.WORLD
-    engine, build = measured_build(backend, config, dist, workdir)
+    engine, build, build_device = measured_build(backend, config, dist, workdir)
     critic_config = model_critic_config(config.model)
     vocab = critic_config.vocab_size
     shape = ModelShape.of(engine, critic_config)
@@ -88,24 +94,28 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str, plan_json: s
         share = data_parallel_shares(batch.attention_mask, engine.dp_size)[engine.dp_rank]
         mine = batch.map(lambda tensor: tensor[share])
         torch_dist.barrier()
-        with MemoryWindow() as memory:
+        with MemoryWindow() as memory, SavedForBackward(engine.model) as saved, DevicePeak() as device:
             start = time.perf_counter()
             engine.update(mine)
             seconds = time.perf_counter() - start
         seconds, peak = all_reduce([seconds, float(memory.peak - build.base)], op="max", group=world)
+        held = over_ranks({"saved_for_backward": saved.peak, "device_peak_added": device.added}, world)
         flops = shape.training_flops(batch.attention_mask.sum(1))
         return {"length": length, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "mfu": flops / (seconds * peak_flops), "peak_bytes": peak}
+                "mfu": flops / (seconds * peak_flops), "peak_bytes": peak, **held["max_per_rank"]}
 
     update(plan[0][0], plan[0][0], seed=99)  # warm-up: Adam's state exists from here on
     steps = [update(length, tokens, seed) for seed, (length, tokens) in enumerate(plan)]
+    state = state_bytes(engine)  # after the updates: the Adam state exists
+    held = over_ranks({**state, "total": sum(state.values())}, world)
     with MemoryWindow() as export:
         engine.export_hf(os.path.join(workdir, "export"))
         torch_dist.barrier()
     parameters = engine.parameter_counts()[1]
     record = {"steps": steps, "parameters": parameters, "peak_flops": peak_flops,
               "load_peak": build.peak - build.base, "kept": build.after - build.base,
-              "export_peak": export.peak - export.base}
+              "export_peak": export.peak - export.base, "held": held,
+              "device_build_peak_added": build_device.added}
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
         json.dump(record, f)
     engine.close()
@@ -162,9 +172,11 @@ def main(argv=None) -> int:
               flush=True)
         if "megatron" in backends and 2 in rank_counts:
             print(f"megatron at 2 ranks: {args.megatron_layout}")
+        cuda = torch.cuda.is_available()
         print("| backend | ranks | update tokens/s | MFU | update peak per rank (bytes/param) | load peak per rank "
-              "(x fp32 model) | export peak per rank (x fp32 model) |")
-        print("|---|---|---|---|---|---|---|")
+              "(x fp32 model) | export peak per rank (x fp32 model) | held by torch per rank (bytes/param) | saved for "
+              "backward per rank (MiB) |" + (" device update peak per rank (bytes/param) |" if cuda else ""))
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
         for backend in backends:
             for ranks in rank_counts:
                 plan = [(lengths[0], args.tokens)]
@@ -181,19 +193,25 @@ def main(argv=None) -> int:
                        "update_peak_bytes_per_param": main_step["peak_bytes"] / records[0]["parameters"],
                        "load_peak": [r["load_peak"] / model_bytes for r in records],
                        "export_peak": [r["export_peak"] / model_bytes for r in records],
-                       "peak_flops": records[0]["peak_flops"]}
+                       "peak_flops": records[0]["peak_flops"],
+                       "held_bytes_per_param": records[0]["held"]["max_per_rank"]["total"] / records[0]["parameters"],
+                       "held_all_ranks": records[0]["held"]["all_ranks"]}
                 results.append(row)
                 print(f"| {backend} | {ranks} | {main_step['tokens_per_s']:.1f} | {main_step['mfu']:.3f} | "
                       f"{row['update_peak_bytes_per_param']:.1f} | "
                       f"{' / '.join(f'{x:.2f}' for x in row['load_peak'])} | "
-                      f"{' / '.join(f'{x:.2f}' for x in row['export_peak'])} |", flush=True)
+                      f"{' / '.join(f'{x:.2f}' for x in row['export_peak'])} | {row['held_bytes_per_param']:.1f} | "
+                      f"{main_step['saved_for_backward'] / 2**20:.1f} |"
+                      + (f" {main_step['device_peak_added'] / records[0]['parameters']:.1f} |" if cuda else ""),
+                      flush=True)
         # The sweep's table after the main table, not between its rows: the first backend's 1-rank run.
         for row in [r for r in results if r["backend"] == backends[0] and r["ranks"] == 1]:
             print(f"\n{row['backend']} at 1 rank, update time by row length and by tokens per update:")
-            print("| row length | tokens | update s | tokens/s | MFU |\n|---|---|---|---|---|")
+            print("| row length | tokens | update s | tokens/s | MFU | saved for backward (MiB) |\n"
+                  "|---|---|---|---|---|---|")
             for step in row["steps"][1:]:
                 print(f"| {step['length']} | {step['tokens']} | {step['seconds']:.1f} | "
-                      f"{step['tokens_per_s']:.1f} | {step['mfu']:.3f} |")
+                      f"{step['tokens_per_s']:.1f} | {step['mfu']:.3f} | {step['saved_for_backward'] / 2**20:.1f} |")
         print(flush=True)
     if args.out:
         with open(args.out, "w") as f:
@@ -202,7 +220,9 @@ def main(argv=None) -> int:
     print(f"bench time: {time.perf_counter() - start:.0f} s")
     for backend in backends:
         row = [r for r in results if r["backend"] == backend][-1]
-        print(f"scale: {backend} mfu={row['steps'][0]['mfu']:.3f} peak/param={row['update_peak_bytes_per_param']:.1f}")
+        print(f"scale: {backend} mfu={row['steps'][0]['mfu']:.3f} peak/param={row['update_peak_bytes_per_param']:.1f} "
+              f"held/param={row['held_bytes_per_param']:.1f} "
+              f"saved_mib={row['steps'][0]['saved_for_backward'] / 2**20:.1f}")
     return 0
 
 

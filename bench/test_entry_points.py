@@ -62,6 +62,30 @@ def test_the_offload_benchmark_moves_the_state_and_brings_it_back(tmp_path):
     assert all((r["device_memory_after_offload"] is not None) == cuda for r in rows), rows
 
 
+def test_the_long_context_benchmark_reports_what_torch_saves_for_backward(tmp_path):
+    """bench/long_context.py at 512 tokens on fsdp (about 20 s): beside the resident-set ratio, the
+    bytes saved for backward per rank, positive, about halved by the split (each rank saves half of
+    every activation), printed per pair and in the last line."""
+    import json
+
+    out = tmp_path / "long_context.json"
+    result = _run([sys.executable, "-m", "critic_adapters.bench.long_context", "--lengths", "512", "--backends",
+                   "fsdp", "--out", str(out)], cwd=tmp_path, PYTHONPATH=os.path.dirname(HERE))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    unsplit, split = row["unsplit"], row["split"]
+    assert unsplit["saved_mib_per_rank"] > 0 and split["saved_mib_per_rank"] > 0, row
+    assert 0.45 < row["saved_ratio"] < 0.55, row
+    # The parameter and optimizer bytes of the two ranks sum to the unsplit rank's (step counters aside).
+    assert split["all_ranks"]["parameters"] == unsplit["all_ranks"]["parameters"] > 0, row
+    assert (split["max_per_rank"]["device_peak_added"] is not None) == torch.cuda.is_available(), row
+    pair = [line.split() for line in result.stdout.splitlines() if "memory ratio" in line]
+    assert pair == [["fsdp", "512", "tokens:", "memory", "ratio", f"{row['memory_ratio']:.2f}", "(resident),",
+                     f"{row['saved_ratio']:.2f}", "(saved", "for", "backward)"]], result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert f"saved for backward: fsdp {row['saved_ratio']:.2f}; speed vs 1: " in last, last
+
+
 def test_the_optimizer_benchmark_counts_each_options_state(tmp_path):
     """bench/optimizers.py on a tiny critic at 2 ranks: bf16 moments hold half of fp32 AdamW's state,
     Muon one buffer on its matrices, offload_state none of it on the device between steps."""
@@ -107,6 +131,11 @@ def test_the_scale_benchmark_measures_each_run(tmp_path):
     assert sweep == [(32, 64), (32, 64), (64, 64), (32, 32)]  # the measured update, then the sweep
     assert len(rows[1]["steps"]) == 1 and len(rows[1]["load_peak"]) == 2
     assert all(0 < s["mfu"] < 1 and s["tokens_per_s"] > 0 for r in rows for s in r["steps"])
+    # What torch holds (bench/tensor_bytes.py): parameters and Adam state at least (12 B/param), at
+    # 1 rank; the activations saved for backward.
+    assert all(r["held_bytes_per_param"] >= 12 for r in rows if r["ranks"] == 1), rows
+    assert all(s["saved_for_backward"] > 0 for r in rows for s in r["steps"]), rows
+    assert "held/param=" in last and "saved_mib=" in last, last
 
 
 def test_the_scale_benchmark_names_only_the_layouts_it_runs(tmp_path):
