@@ -206,6 +206,10 @@ def test_each_optimizer_option_steps_as_torchs_own_and_offloaded_state_changes_n
                 assert result["optimizer_bytes_after_step"] == result["optimizer_bytes_after_load"] == 0, result
                 assert result["offloaded_after_step"] == ["optimizer"], result
                 continue
+            if name == "muon":
+                raised = result["adamw_checkpoint"]["raised"]
+                assert raised and "holds the optimizer state of engine.optim.name=adamw, and this engine has " \
+                                  "engine.optim.name=muon" in raised["message"], result["adamw_checkpoint"]
             reference = references.get(name) or references.setdefault(name, optimizer_reference(export_dir, name))
             assert reference["muon"] > 0 or not name.startswith("muon")
             assert result["metrics"]["value_loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-6), name

@@ -385,6 +385,8 @@ def optimizer_pass(backend: str, dist, export_dir: str, workdir: str) -> dict:
         result["optimizer_bytes_after_load"] = engine.resident_bytes()["optimizer"]
         result["next"] = engine.update(rollout(dist.rank + 4))["value_loss"]
         result["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask).tolist()
+        if name == "muon":  # AdamW's state (the main pass's checkpoint) does not load into Muon
+            result["adamw_checkpoint"] = _outcome(lambda: engine.load_checkpoint(os.path.join(workdir, "ckpt")))
         engine.close()
         out[name] = result
     return out
