@@ -291,7 +291,8 @@ def save_with_space_check(engine, root: str, directory: str, extra_state: dict, 
     if needed > free:
         raise ValueError(_disk_full_message(root, directory, needed, free))
     try:
-        engine.save_checkpoint(directory, extra_state, extra_tensors)
+        # Only with tensors to save: a host's engine written before extra_tensors still saves the rest.
+        engine.save_checkpoint(directory, extra_state, **({"extra_tensors": extra_tensors} if extra_tensors else {}))
     except Exception as err:
         free = shutil.disk_usage(root).free
         if free < needed or _caused_by_full_disk(err):

@@ -20,10 +20,10 @@ class OneDPRankEngine(FSDPCriticEngine):
     """An FSDP engine alone in its data-parallel group, on every process: the processes are
     model-parallel peers of one DP rank, so they must all see every row and agree on every number."""
 
-    def save_checkpoint(self, directory, extra_state=None):
+    def save_checkpoint(self, directory, extra_state=None, extra_tensors=None):
         # The peers hold identical copies: one writes them (two writers of one directory would race).
         if self.dist.is_main:
-            super().save_checkpoint(directory, extra_state)
+            super().save_checkpoint(directory, extra_state, extra_tensors)
         torch_dist.barrier()
 
 
