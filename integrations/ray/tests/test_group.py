@@ -378,8 +378,11 @@ def test_an_update_with_a_value_mask_reaches_every_actor_and_counts_only_those_t
     engine = build_engine("fsdp", engine_config(models["qwen2"]), init_distributed())
     try:
         engine.load_checkpoint(str(tmp_path / "ckpt"))
-        before = shift_to_tokens(group.compute_values(batch.input_ids, batch.attention_mask))
+        values, version = group.compute_values(batch.input_ids, batch.attention_mask, return_version=True)
+        before = shift_to_tokens(values)
+        assert version == group.version == engine.version  # the checkpoint carried the actors' step count
         ours, reference = group.update(masked), engine.update(masked)
+        assert group.version == version + 1
         expected, _ = value_loss(before, batch.old_values, batch.returns, value_mask, clip_range=0.2)
         assert ours["value_loss"] == pytest.approx(float(expected), rel=1e-5)
         assert ours["valid_tokens"] == int(value_mask.sum()) < int(batch.response_mask.sum())
