@@ -41,10 +41,11 @@ DISCOUNTS = {"gamma1": ["data.gamma=1.0", "data.lam_critic=1.0"],
              "gamma0.99": ["data.gamma=0.99", "data.lam_critic=0.95"]}
 
 
-def held_out_rows(num_rollouts: int, seed: int, eval_fraction: float = 0.1) -> torch.Tensor:
-    """The rows the job holds out (common.learning.data.split_held_out's draw)."""
-    order = torch.randperm(num_rollouts, generator=torch.Generator().manual_seed(seed))
-    return order[:max(1, int(round(num_rollouts * eval_fraction)))]
+def held_out_rows(num_rollouts: int, seed: int) -> torch.Tensor:
+    """The rows the default job holds out (data.eval_fraction 0.1)."""
+    from critic_adapters.common.learning.data import held_out_index
+
+    return held_out_index(num_rollouts, 0.1, seed=seed)[1]
 
 
 def measure(run_dir: str, records: list[dict], outcomes: list[float], config) -> dict:

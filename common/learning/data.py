@@ -356,14 +356,21 @@ def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = Non
     return to_rollouts(records)
 
 
-def split_held_out(rollouts: Rollouts, data, *, seed: int) -> tuple[Rollouts, Rollouts]:
-    """(train, held out): a seeded random data.eval_fraction of the rollouts (at least one) held out
-    for evaluation; data is the DataConfig. ValueError when either share would be empty."""
-    order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(seed))
-    count = int(round(len(rollouts) * data.eval_fraction))
-    if data.eval_fraction > 0 and count == 0:
+def held_out_index(num_rollouts: int, eval_fraction: float, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, held-out rows): a seeded random eval_fraction of the rows held out (at least one
+    when eval_fraction > 0)."""
+    order = torch.randperm(num_rollouts, generator=torch.Generator().manual_seed(seed))
+    count = int(round(num_rollouts * eval_fraction))
+    if eval_fraction > 0 and count == 0:
         count = 1
-    train, held_out = rollouts.select(order[count:]), rollouts.select(order[:count])
+    return order[count:], order[:count]
+
+
+def split_held_out(rollouts: Rollouts, data, *, seed: int) -> tuple[Rollouts, Rollouts]:
+    """(train, held out): held_out_index's split of the rollouts by data.eval_fraction; data is the
+    DataConfig. ValueError when either share would be empty."""
+    train_rows, held_rows = held_out_index(len(rollouts), data.eval_fraction, seed=seed)
+    train, held_out = rollouts.select(train_rows), rollouts.select(held_rows)
     if len(held_out) == 0:
         raise ValueError("data.eval_fraction=0 and no data.eval_path: the held-out evaluation needs rollouts; "
                          "set data.eval_fraction > 0 or give data.eval_path")
