@@ -1,6 +1,7 @@
 """Apply activation checkpointing, mixed precision and FSDP2 sharding to a critic, in that order.
 
-Each decoder layer is its own FSDP unit (one all-gather per layer), the scalar head another (kept
+Each decoder layer is its own FSDP unit (one all-gather per layer; a vision critic's vision blocks
+too, and the rest of its vision tower one more), the scalar head another (kept
 in fp32: its input is cast up, so values come out fp32 even under bf16), then the root.
 """
 
@@ -11,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from ...common.valuehead.config import critic_head
+from ...common.valuehead.multimodal import vision_tower
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -43,13 +45,16 @@ def parallelize_critic(
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else None
     common = {"mesh": mesh, **({"offload_policy": offload} if offload else {})}
 
-    # 3. FSDP2: per decoder layer, the head, then the root (embeddings, final norm). On a single rank
+    # 3. FSDP2: per decoder layer (and vision block), the vision tower, the head, then the root (embeddings, final norm). On a single rank
     #    there is nothing to shard: FSDP would only copy parameters and gradients in and out, so it is
     #    applied there only for the policies it carries (mixed precision, CPU offload).
     if mesh.size() == 1 and mixed_precision == "none" and not cpu_offload:
         return model
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model):  # a vision critic's vision blocks are among them
         fully_shard(layer, mp_policy=body_policy, **common)
+    tower = vision_tower(model)
+    if tower is not None:  # the rest of the vision tower (patch embedding, merger): one unit, gathered once
+        fully_shard(tower, mp_policy=body_policy, **common)
     fully_shard(critic_head(model), mp_policy=head_policy, **common)
     fully_shard(model, mp_policy=body_policy, **common)
     return model

@@ -65,6 +65,11 @@ def moe_traits(hf_config: PretrainedConfig) -> MoETraits | None:
 
 def family_traits(hf_config: PretrainedConfig) -> FamilyTraits:
     model_type = hf_config.model_type
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ValueError(
+            f"the megatron backend has no vision-language critic ({model_type}): megatron-core's GPT model has "
+            f"no vision tower or multimodal rope. Train it with backend=fsdp or backend=veomni, whose libraries "
+            f"model {model_type} (transformers' and VeOmni's modeling)")
     if model_type not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"the megatron backend does not support model_type={model_type!r}; supported: "

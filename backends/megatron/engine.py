@@ -37,6 +37,7 @@ from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
 from ...common.parallel.host_memory import large_allocations_returned
 from ...common.parallel.shard_state import recv_into, recv_rows, row_pieces, send_rows
 from ...common.engine import RolloutBatch, check_batch_inputs, inputs_on_host, reports_version, shift_to_tokens
+from ...common.engine.images import checked_images
 from ...common.learning.hl_gauss import head_values
 from ...common.engine.mesh import CONTEXT, ParallelMesh, check_spans_world
 from ...common.engine.registry import check_engine_config
@@ -252,10 +253,13 @@ class MegatronCriticEngine(Offloadable):
     @torch.no_grad()
     @needs_resident("model")
     @inputs_on_host
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       multi_modal_inputs=None) -> torch.Tensor:
+        """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU.
+        multi_modal_inputs: refused by name (a megatron critic is text-only)."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size,
                            group=self.parallel.world_group)  # every rank together
+        checked_images(self.hf_config, input_ids, attention_mask, multi_modal_inputs, group=self.parallel.world_group)
         self.model.eval()
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
 
@@ -273,6 +277,8 @@ class MegatronCriticEngine(Offloadable):
         """Forward/backward of this rank's micro-batches through megatron's schedule, gradients
         finalised (data-parallel all-reduce etc.); returns the step's statistics (zero off the last
         pipeline stage). Gradients are those of the global mini-batch loss."""
+        checked_images(self.hf_config, batch.input_ids, batch.attention_mask, batch.multi_modal_inputs,
+                       group=self.parallel.world_group)
         check_batch_inputs(batch.input_ids, batch.attention_mask, vocab_size=self.vocab_size, batch=batch,
                            group=self.parallel.world_group)
         self.model.train()
@@ -323,8 +329,8 @@ class MegatronCriticEngine(Offloadable):
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
     @inputs_on_host
-    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None,
+                         multi_modal_inputs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """common.engine.fsdp2_core.FSDP2Engine.forward_backward's contract through megatron's schedule: one
         micro-batch of these rows; loss_fn(values [B, T] float32, unshifted, with gradients) on the
         last pipeline stage, backpropagated as it is (DDP averages gradients over the data-parallel
@@ -336,6 +342,7 @@ class MegatronCriticEngine(Offloadable):
         train = loss_fn is not None
         require_resident(self, KINDS if train else ("model",), "forward_backward")
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.parallel.world_group)
+        checked_images(self.hf_config, input_ids, attention_mask, multi_modal_inputs, group=self.parallel.world_group)
         self.model.train(train)
         if train and not self._accumulating:
             self.model.zero_grad_buffer()

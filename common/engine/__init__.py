@@ -16,8 +16,9 @@ An engine owns a critic, its optimizer and schedule, and its parallelisation. Th
                                  tokens (common.parallel.batching.data_parallel_shares); the
                                  tensor/pipeline/sequence-parallel peers of a DP rank receive the
                                  same rows.
-  compute_values(input_ids, attention_mask) -> float32 [B, T] on CPU, values at every position
-                                 (unshifted), for the rows this rank passed; every rank of the DP
+  compute_values(input_ids, attention_mask, multi_modal_inputs=None) -> float32 [B, T] on CPU, values
+                                 at every position (unshifted), for the rows this rank passed (a vision
+                                 critic's images: one dict or None per row); every rank of the DP
                                  rank's model-parallel group returns them (with pipeline parallelism
                                  the last stage's values are sent to every stage). return_version=True:
                                  (values, the version that computed them)
@@ -60,6 +61,7 @@ import torch
 
 from ..parallel.distributed import all_reduce
 from ..learning.loss import shift_to_tokens  # noqa: F401 - part of the engine API (the loss's alignment)
+from ..valuehead.multimodal import as_rows, select
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +75,9 @@ class RolloutBatch:
     values the critic regresses: the loss, its normalisation over the whole mini-batch, the clip
     fraction and the explained variance count those tokens only (an agent's action tokens may be
     more than the tokens worth a value target, e.g. VAGEN's turn anchors).
+    multi_modal_inputs (optional, a vision-language critic's): one dict of the processor's tensors per
+    row (pixel_values, image_grid_thw, video keys; common.valuehead.multimodal), or None / {} for a
+    text row, with input_ids holding the expanded placeholders; kept as a tuple of dicts.
     """
 
     input_ids: torch.Tensor
@@ -81,13 +86,15 @@ class RolloutBatch:
     old_values: torch.Tensor
     returns: torch.Tensor
     value_mask: torch.Tensor | None = None
+    multi_modal_inputs: tuple | None = None
 
     def __post_init__(self):
         shape = self.input_ids.shape
-        for field in dataclasses.fields(self):
-            tensor = getattr(self, field.name)
+        object.__setattr__(self, "multi_modal_inputs", as_rows(self.multi_modal_inputs, shape[0]))
+        for field in _TOKEN_FIELDS:
+            tensor = getattr(self, field)
             if tensor is not None and tensor.shape != shape:
-                raise ValueError(f"RolloutBatch.{field.name} has shape {tuple(tensor.shape)}, input_ids {tuple(shape)}")
+                raise ValueError(f"RolloutBatch.{field} has shape {tuple(tensor.shape)}, input_ids {tuple(shape)}")
         if bool((self.response_mask.bool() & ~self.attention_mask.bool()).any()):
             raise ValueError("RolloutBatch.response_mask marks padding positions as response tokens")
         if shape[-1] and bool(self.response_mask[:, 0].any()):
@@ -104,9 +111,20 @@ class RolloutBatch:
         return self.response_mask if self.value_mask is None else self.value_mask
 
     def map(self, fn) -> "RolloutBatch":
-        """A batch of fn(tensor) for every tensor field (rows selected, moved to a device, ...)."""
-        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
-                               for f in dataclasses.fields(self)})
+        """A batch of fn(tensor) for every per-token [B, T] field (moved to a device, cast, ...); the
+        rows' multi_modal_inputs are carried as they are (select rows with `select`)."""
+        return RolloutBatch(**{name: None if getattr(self, name) is None else fn(getattr(self, name))
+                               for name in _TOKEN_FIELDS}, multi_modal_inputs=self.multi_modal_inputs)
+
+    def select(self, rows) -> "RolloutBatch":
+        """The batch of these rows (a list or 1-D tensor of row indices), multi_modal_inputs included."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return RolloutBatch(**{name: None if getattr(self, name) is None else getattr(self, name)[index]
+                               for name in _TOKEN_FIELDS},
+                            multi_modal_inputs=select(self.multi_modal_inputs, index.tolist()))
+
+
+_TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns", "value_mask")
 
 
 class CriticEngine(Protocol):
@@ -144,7 +162,7 @@ class CriticEngine(Protocol):
     """Optimizer steps this critic has taken (every step_optimizer, update's included), saved in
     checkpoints: an asynchronous stack tags the values it computes with it and bounds their age."""
 
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs=None, *,
                        return_version: bool = False) -> torch.Tensor:
         """The critic's values, no grad: float32 [B, T] on CPU, at every position and UNSHIFTED:
         entry t is the value of the state after token t. The value the loss uses for token t (what
@@ -153,7 +171,11 @@ class CriticEngine(Protocol):
 
         input_ids: int64 [B, T]; attention_mask: [B, T] of 0/1 (right- or left-padded; padding
         positions come back as 0.0). The inputs of every method may be on any device (the engine
-        takes them to the CPU first: inputs_on_host)."""
+        takes them to the CPU first: inputs_on_host).
+        multi_modal_inputs: a vision-language critic's images/videos, one dict of the processor's
+        tensors (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts)
+        or None per row, input_ids holding the expanded placeholders (common.valuehead.multimodal);
+        checked against the placeholders (a mismatch names the row); a text-only critic refuses them."""
         ...
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -164,8 +186,8 @@ class CriticEngine(Protocol):
         ...
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
-    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None,
+                         multi_modal_inputs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward (and backward) over these rows as a single packed micro-batch; the caller
         sizes them. `loss_fn(values)` gets the float32 [B, T] values (unshifted, on the device, with
         gradients) and returns a scalar loss that is backpropagated as it is: the engine averages
@@ -173,7 +195,7 @@ class CriticEngine(Protocol):
         factor dp_size (a sequence-splitting degree's factor is the engine's own). Gradients
         accumulate until step_optimizer. loss_fn None: values only, no graph. Every data-parallel
         rank calls it the same number of times. Returns (values detached, on every rank of the DP
-        rank's model-parallel group; the loss detached, or None)."""
+        rank's model-parallel group; the loss detached, or None). multi_modal_inputs: as compute_values'."""
         ...
 
     def step_optimizer(self) -> float:
@@ -314,8 +336,8 @@ def inputs_on_host(method):
 def _on_host(value):
     if isinstance(value, torch.Tensor):
         return value.cpu()
-    if isinstance(value, RolloutBatch) and any(getattr(value, f.name) is not None
-                                               and getattr(value, f.name).device.type != "cpu"
-                                               for f in dataclasses.fields(value)):
+    if isinstance(value, RolloutBatch) and any(getattr(value, name) is not None
+                                               and getattr(value, name).device.type != "cpu"
+                                               for name in _TOKEN_FIELDS):
         return value.map(torch.Tensor.cpu)
     return value

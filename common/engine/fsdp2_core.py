@@ -66,6 +66,7 @@ from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
 from ..valuehead.save import write_critic
 from ..valuehead.config import critic_class
 from ..valuehead.values import compute_bin_logits, compute_values
+from .images import checked_images, lay_out_images
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -187,10 +188,18 @@ class FSDP2Engine(Offloadable):
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                       forward_only: bool = False) -> list[MicroBatch]:
-        """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match)."""
-        return step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group,
-                                  forward_only=forward_only)
+                       forward_only: bool = False, images: tuple | None = None) -> list[MicroBatch]:
+        """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match).
+        A vision critic's rows carry their images and multimodal positions (multimodal.lay_out)."""
+        micro_batches = step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group,
+                                           forward_only=forward_only)
+        return [lay_out_images(self.model, mb, input_ids, attention_mask, images) for mb in micro_batches]
+
+    def _images(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs) -> tuple | None:
+        """The rows' images (multimodal.as_rows), checked against their placeholders on every DP rank
+        together (multimodal.check_rows; Ulysses refused)."""
+        return checked_images(self.model.config, input_ids, attention_mask, multi_modal_inputs,
+                              group=self.dp_group, ulysses=self.sp_group is not None)
 
     @contextlib.contextmanager
     def _replica_reduction(self, *, last: bool):
@@ -227,7 +236,8 @@ class FSDP2Engine(Offloadable):
             with quiet_fsdp_views():
                 values = run(self.model, mb.input_ids.to(device),
                              None if mb.attention_mask is None else mb.attention_mask.to(device),
-                             None if mb.position_ids is None else mb.position_ids.to(device))
+                             None if mb.position_ids is None else mb.position_ids.to(device),
+                             {key: value.to(device) for key, value in (mb.model_inputs or {}).items()})
                 yield mb.unpack(values, row_length), values
             return
         # Ulysses: this rank runs its slice of the columns; the values come back whole.
@@ -242,12 +252,15 @@ class FSDP2Engine(Offloadable):
     @torch.no_grad()
     @needs_resident("model")
     @inputs_on_host
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU."""
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       multi_modal_inputs=None) -> torch.Tensor:
+        """float32 [B, T] values at every position of this rank's rows (zero on padding), on CPU;
+        a vision critic's rows with their images (one dict or None per row)."""
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
+        images = self._images(input_ids, attention_mask, multi_modal_inputs)
         self.model.eval()
         out = torch.zeros(input_ids.shape, dtype=torch.float32)
-        for mb in self._micro_batches(input_ids, attention_mask, forward_only=True):
+        for mb in self._micro_batches(input_ids, attention_mask, forward_only=True, images=images):
             with self._forward(mb, input_ids.shape[1]) as (values, _):
                 if mb.rows:
                     out[mb.rows] = values.cpu()
@@ -260,11 +273,12 @@ class FSDP2Engine(Offloadable):
         those of the global mini-batch loss; returns the step's statistics (not yet reduced)."""
         check_batch_inputs(batch.input_ids, batch.attention_mask, vocab_size=self.vocab_size, batch=batch,
                            group=self.dp_group)
+        images = self._images(batch.input_ids, batch.attention_mask, batch.multi_modal_inputs)
         self.model.train()
         device = self.dist.device
         stats = StepStats(self.config.loss, plan_step(batch, self.config.loss, self.dp_group), device)
         bins = stats.support is not None  # HL-Gauss: the loss takes the bin logits
-        micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask)
+        micro_batches = self._micro_batches(batch.input_ids, batch.attention_mask, images=images)
         aux = router_aux.StepAux.of(self.config.loss.router_aux_coef, self.aux_experts, micro_batches, self.dp_group)
         for index, mb in enumerate(micro_batches):
             with self._replica_reduction(last=index == len(micro_batches) - 1), aux.capture(self.model) as logits, \
@@ -291,8 +305,8 @@ class FSDP2Engine(Offloadable):
 
     # -- the step in pieces, for a host that drives its own loop and loss (verl's engine slot) -----
     @inputs_on_host
-    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None,
+                         multi_modal_inputs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward (and backward) over these rows as a single packed micro-batch: the caller
         sizes them, as verl's micro-batches are. `loss_fn(values)` gets the float32 [B, T] values
         (unshifted, on the device, with gradients) and returns a scalar loss that is backpropagated
@@ -300,12 +314,16 @@ class FSDP2Engine(Offloadable):
         the global batch carries a factor dp_size (verl's agg_loss does; the Ulysses degree's factor
         is the engine's). Gradients accumulate
         until step_optimizer. loss_fn None: values only, no graph. Every data-parallel rank calls
-        it the same number of times. Returns (values, detached; the loss, detached, or None)."""
+        it the same number of times. Returns (values, detached; the loss, detached, or None).
+        multi_modal_inputs: a vision critic's images, one dict or None per row."""
         train = loss_fn is not None
         require_resident(self, KINDS if train else ("model",), "forward_backward")
         check_batch_inputs(input_ids, attention_mask, vocab_size=self.vocab_size, group=self.dp_group)
+        images = self._images(input_ids, attention_mask, multi_modal_inputs)
         self.model.train(train)
-        mb = whole_micro_batch(input_ids, attention_mask, self.config.batching, group=self.dp_group)
+        mb = lay_out_images(self.model, whole_micro_batch(input_ids, attention_mask, self.config.batching,
+                                                          group=self.dp_group),
+                            input_ids, attention_mask, images)
         with torch.set_grad_enabled(train), self._forward(mb, input_ids.shape[1]) as (rows, raw):
             values = rows.new_zeros(input_ids.shape).index_put((torch.tensor(mb.rows, device=rows.device),), rows) \
                 if mb.rows else rows.new_zeros(input_ids.shape)

@@ -18,6 +18,7 @@ The adapter a critic carries is written in peft's own layout (`adapter_config.js
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -44,13 +45,27 @@ def peft_lora_config(lora: LoRAConfig, head: str | None, base_path: str | None =
 
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules), modules_to_save=[head] if head else None,
-                      bias="none", base_model_name_or_path=base_path)
+                      exclude_modules=VISION_MODULES, bias="none", base_model_name_or_path=base_path)
+
+
+# A vision-language critic's vision tower (model.visual.*) is never adapted: the targets' names mean
+# the language model's projections (Qwen2.5-VL's vision MLP has gate/up/down_proj too). peft matches
+# a string as a regex over the whole module name.
+VISION_MODULES = r"(.*\.)?visual(\..*)?"
 
 
 def check_targets(model: torch.nn.Module, lora: LoRAConfig) -> None:
-    """Every target module name exists in the critic as a Linear; ValueError naming the missing ones."""
-    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    """Every target module name exists in the critic as a Linear (outside a vision tower); ValueError
+    naming the missing ones."""
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    in_vision = {name.rsplit(".", 1)[-1] for name in linear if re.fullmatch(VISION_MODULES, name)}
+    present = {name.rsplit(".", 1)[-1] for name in linear if not re.fullmatch(VISION_MODULES, name)}
     missing = [target for target in lora.target_modules if target not in present]
+    vision_only = [target for target in missing if target in in_vision]
+    if vision_only:
+        raise ValueError(f"engine.lora.target_modules names {vision_only}, which exist only in the vision tower "
+                         f"(model.visual): LoRA adapts the language model's projections only. Train the vision "
+                         f"tower in full, or freeze it (engine.transforms=[freeze_vision]), and drop {vision_only}")
     if missing:
         family = getattr(model.config, "model_type", "this model")
         why = ""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..valuehead.config import critic_head
+from ..valuehead.multimodal import vision_tower
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,11 +53,22 @@ def _freeze_backbone(model: torch.nn.Module) -> None:
     _freeze(p for p in model.parameters() if id(p) not in head)
 
 
+def _freeze_vision(model: torch.nn.Module) -> None:
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"engine.transforms names freeze_vision, but {type(model).__name__} "
+                         f"({model.config.model_type}) has no vision tower: drop it for a text-only critic")
+    _freeze(tower.parameters())
+
+
 TRANSFORMS: dict[str, ModelTransform] = {
     "freeze_embeddings": ModelTransform(apply=_freeze_embeddings,
                                         doc="train everything but the input embeddings"),
     "freeze_backbone": ModelTransform(apply=_freeze_backbone,
                                       doc="train the value head only (a linear probe on the backbone)"),
+    "freeze_vision": ModelTransform(apply=_freeze_vision,
+                                    doc="a vision-language critic: train everything but the vision tower "
+                                        "(patch embedding, vision blocks, merger)"),
 }
 
 

@@ -46,13 +46,18 @@ def plan_token_budget(lengths: list[int], budget: int, *, min_micro_batches: int
         count += 1
 
 
-def data_parallel_shares(attention_mask: torch.Tensor, dp_size: int) -> list[torch.Tensor]:
+def data_parallel_shares(attention_mask: torch.Tensor, dp_size: int,
+                         extra_tokens: list[int] | None = None) -> list[torch.Tensor]:
     """Each data-parallel rank's rows of a mini-batch [B, T], balanced by token count: longest row
     first onto the share with the fewest tokens (ties: the lower share), each share's rows in
     ascending order. Deterministic from the mask, so every rank computes the same shares (verl
     balances its data-parallel shares by tokens the same way). The loss is normalised over the whole
-    mini-batch whatever the shares are, so they change where the work runs, not the step."""
+    mini-batch whatever the shares are, so they change where the work runs, not the step.
+    extra_tokens: per row, work beyond its tokens counted as tokens (a vision critic's image
+    patches, common.valuehead.multimodal.vision_patches: the vision tower runs on every one)."""
     lengths = sequence_lengths(attention_mask)
+    if extra_tokens is not None:
+        lengths = [length + extra for length, extra in zip(lengths, extra_tokens)]
     order = sorted(range(len(lengths)), key=lambda row: (-lengths[row], row))
     loads = [(0, share) for share in range(dp_size)]  # (tokens, share index): a heap
     shares: list[list[int]] = [[] for _ in range(dp_size)]
@@ -87,6 +92,9 @@ class MicroBatch:
     """... and the column of the original [B, T] row it belongs to."""
     gather_index: tuple[torch.Tensor, torch.Tensor] | None
     """Where to read valid outputs in the model's output layout (None: everything is valid)."""
+    model_inputs: dict | None = None
+    """Further model kwargs for these rows (a vision critic's images: common.valuehead.multimodal.lay_out,
+    which also makes position_ids [4, b, N]: text positions, then the multimodal rope's t/h/w)."""
 
     @property
     def num_tokens(self) -> int:

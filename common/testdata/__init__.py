@@ -17,12 +17,12 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImage
 _WORKSPACE = "critic_adapters"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Families with a tiny config in configs/; qwen2_vl is the VLM.
+# Families with a tiny config in configs/; the VLM_FAMILIES below are the vision-language ones.
 FAMILIES = ("deepseek_v3", "gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "mixtral", "phi3", "qwen2",
-            "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe")
+            "qwen2_5_vl", "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_vl")
 # The mixture-of-experts families (4 experts, top-2; qwen2_moe with its shared expert).
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-VLM_FAMILIES = ("qwen2_vl",)
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def data_path(relative: str) -> str:

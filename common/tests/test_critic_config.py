@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, PretrainedConfig
 
-from critic_adapters.common.testdata import FAMILIES, tiny_config
+from critic_adapters.common.testdata import FAMILIES, VLM_FAMILIES, tiny_config
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.valuehead import critic_config
 from critic_adapters.common.valuehead.config import GENERIC_ARCHITECTURE, critic_class, critic_head
@@ -23,7 +23,7 @@ def test_override_fields_are_floats_and_input_is_untouched(family):
     assert config.tie_word_embeddings is False
     assert config.get_text_config().tie_word_embeddings is False
     assert config.hidden_size == config.get_text_config().hidden_size == 64
-    expected = GENERIC_ARCHITECTURE if family in ("gemma3_text", "qwen2_vl") else critic_class(config).__name__
+    expected = GENERIC_ARCHITECTURE if family in ("gemma3_text", *VLM_FAMILIES) else critic_class(config).__name__
     assert config.architectures == [expected]
     assert critic_config(config).to_dict() == config.to_dict(), "not idempotent"
 

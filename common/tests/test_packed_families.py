@@ -44,7 +44,7 @@ def test_packed_values_equal_each_row_alone(tmp_path, family, attention):
         pytest.skip("gemma2 has no sdpa attention in transformers (logit soft-capping)")
     path = save_tiny_causal_lm(family, str(tmp_path / family))
     packed_model, _ = load_critic(path, attn_implementation=register() if attention == "packed" else "sdpa")
-    assert packed_model.config._attn_implementation == (ATTENTION_NAME if attention == "packed" else "sdpa")
+    assert packed_model.config.get_text_config()._attn_implementation == (ATTENTION_NAME if attention == "packed" else "sdpa")
     plain_model, _ = load_critic(path, attn_implementation="eager")
     ids, mask = _rows()
     with torch.no_grad():

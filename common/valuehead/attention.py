@@ -27,3 +27,17 @@ def select_attn_implementation(critic_cls: type, requested: str | None = None,
     if requested is not None:
         return requested
     return attention_choice(critic_cls, dtype).kernel
+
+
+# Attentions of our own that take the text model's rows only (packed sequences, Ulysses' split heads).
+_TEXT_ONLY = (kernels.PACKED_SDPA, kernels.TORCH_VARLEN, "critic_ulysses_attention")
+
+
+def per_tower(config, attn: str | None):
+    """The attn_implementation to build `config`'s critic with: `attn`, or for a vision-language
+    critic given one of our text-only attentions, that for the language model and sdpa for the vision
+    tower (which runs on its patches, not on packed token rows: our packed attention there would
+    read the text's sequence bounds)."""
+    if attn in _TEXT_ONLY and getattr(config, "vision_config", None) is not None:
+        return {"text_config": attn, "vision_config": "sdpa"}
+    return attn

@@ -16,7 +16,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from ._quiet import quiet_transformers
-from .attention import select_attn_implementation
+from .attention import per_tower, select_attn_implementation
 from .checkpoint_files import CheckpointIndex, index_checkpoint, load_tensors
 from ..learning.hl_gauss import HLGaussSupport, describe, from_scalar_head, support_of
 from .config import DECLARED_HEAD, critic_class, critic_config, critic_head, head_name, install_value_head, text_hidden_size
@@ -355,7 +355,7 @@ def load_critic(
                 path,
                 config=critic_cfg,
                 dtype=torch_dtype,
-                attn_implementation=attn,
+                attn_implementation=per_tower(critic_cfg, attn),
                 key_mapping=key_mapping or None,
                 trust_remote_code=trust_remote_code,
                 output_loading_info=True,
@@ -403,7 +403,7 @@ def load_critic(
         head=head,
         head_source=[] if head == "initialized" else detection.head_keys,
         bias=bias,
-        attn_implementation=model.config._attn_implementation,
+        attn_implementation=model.config.get_text_config()._attn_implementation,  # the language model's
         dtype=str(torch_dtype).removeprefix("torch."),
         missing_keys=missing,
         unexpected_keys=unexpected,

@@ -29,7 +29,7 @@ import struct
 import torch
 
 from ._quiet import quiet_transformers
-from .attention import select_attn_implementation
+from .attention import per_tower, select_attn_implementation
 from .checkpoint_files import tensor_bytes
 from .config import DECLARED_HEAD, critic_class, critic_head, install_value_head
 from .errors import CriticLoadError
@@ -148,7 +148,7 @@ def meta_critic(config, dtype: torch.dtype, attn: str | None = None) -> torch.nn
     shapes and module tree."""
     cls = critic_class(config)
     with torch.device("meta"), quiet_transformers():
-        return install_value_head(cls._from_config(config, attn_implementation=attn, dtype=dtype))
+        return install_value_head(cls._from_config(config, attn_implementation=per_tower(config, attn), dtype=dtype))
 
 
 def _expert_stack(converter) -> list[re.Pattern] | None:

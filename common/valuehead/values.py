@@ -7,6 +7,7 @@ import torch
 
 from ..learning.hl_gauss import bin_logits, support_of
 from ..parallel.packed_attention import sequence_bounds
+from . import multimodal
 
 
 def is_packed(position_ids: torch.Tensor) -> bool:
@@ -29,8 +30,11 @@ def model_position_ids(config, position_ids: torch.Tensor) -> torch.Tensor:
 
     mrope families expand 2-D positions to 3-D themselves, and then lose the text positions that
     mark where packed sequences start. Given (4, B, N) — text positions, then temporal, height and
-    width, which for text-only input all equal the text position — they keep both.
+    width, which for text-only input all equal the text position — they keep both. (4, B, N)
+    positions given (a vision critic's, common.valuehead.multimodal.lay_out) are passed as they are.
     """
+    if position_ids.dim() == 3:
+        return position_ids
     if uses_multimodal_rope(config):
         return position_ids[None].expand(4, *position_ids.shape)
     return position_ids
@@ -41,6 +45,9 @@ def compute_values(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
+    model_inputs: dict | None = None,
+    *,
+    multi_modal_inputs=None,
 ) -> torch.Tensor:
     """Values [B, T] in float32 (even for a bf16 model), unshifted: entry t is the critic's output
     at position t, the state after token t. For an HL-Gauss critic (common/learning/hl_gauss.py) they are
@@ -54,8 +61,17 @@ def compute_values(
     attention_mask=None and no cache. Their sequence bounds are stated to our packed attention, and
     transformers' own attentions build a per-sequence mask from the positions. A 2-D padding mask
     would let packed sequences attend to each other, so it is refused unless it is all ones.
+
+    A vision-language critic's images come as model_inputs (pixel_values, image_grid_thw, ...: the
+    rows' tensors concatenated) with (4, B, N) position_ids (text, then the multimodal rope's t/h/w),
+    both from common.valuehead.multimodal.lay_out; image placeholder tokens get values like any other.
+    Or, for padded rows, pass each row's processor outputs as multi_modal_inputs (one dict or None
+    per row: pixel_values, image_grid_thw, ...) and the positions are derived here.
     """
-    logits = _head_outputs(model, input_ids, attention_mask, position_ids)
+    if multi_modal_inputs is not None:
+        position_ids, model_inputs = _padded_images(model, input_ids, attention_mask, position_ids, model_inputs,
+                                                    multi_modal_inputs)
+    logits = _head_outputs(model, input_ids, attention_mask, position_ids, model_inputs)
     if logits.dim() != 3 or logits.shape[-1] != 1 or logits.shape[:2] != input_ids.shape:
         raise ValueError(
             f"{type(model).__name__} returned logits of shape {tuple(logits.shape)} for input_ids "
@@ -72,22 +88,45 @@ def compute_bin_logits(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
+    model_inputs: dict | None = None,
 ) -> torch.Tensor:
     """An HL-Gauss critic's bin logits [B, T, K] in float32, positioned as compute_values'."""
     support = support_of(model.config)
     if support is None:
         raise ValueError(f"{type(model).__name__} is a scalar critic: it has no bin logits (use compute_values)")
     with bin_logits(model):
-        logits = _head_outputs(model, input_ids, attention_mask, position_ids)
+        logits = _head_outputs(model, input_ids, attention_mask, position_ids, model_inputs)
     if tuple(logits.shape) != (*input_ids.shape, support.num_bins):
         raise ValueError(f"{type(model).__name__} returned {tuple(logits.shape)} bin logits for input_ids "
                          f"{tuple(input_ids.shape)}; expected [B, T, {support.num_bins}]")
     return logits.float()
 
 
-def _head_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
+def _padded_images(model, input_ids, attention_mask, position_ids, model_inputs, multi_modal_inputs):
+    """(position_ids, model_inputs) for padded rows given their per-row multi_modal_inputs."""
+    rows = multimodal.as_rows(multi_modal_inputs, input_ids.shape[0])
+    if rows is None:
+        return position_ids, model_inputs
+    if position_ids is not None or model_inputs:
+        raise ValueError("pass either multi_modal_inputs (padded rows; positions derived) or position_ids and "
+                         "model_inputs laid out by common.valuehead.multimodal.lay_out, not both")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    host_ids, host_mask = input_ids.cpu(), mask.cpu()
+    multimodal.check_rows(model.config, host_ids, host_mask, rows)
+    where = host_mask.bool().nonzero(as_tuple=True)
+    positions, inputs = multimodal.layout(model, host_ids, host_mask, rows, range(len(rows)),
+                                          tuple(input_ids.shape), where)
+    return positions.to(input_ids.device), {k: v.to(input_ids.device) for k, v in inputs.items()}
+
+
+def _head_outputs(model, input_ids, attention_mask, position_ids, model_inputs=None) -> torch.Tensor:
     """The critic's `.logits` on these rows (packed rows with their sequence bounds)."""
-    if position_ids is not None and is_packed(position_ids):
+    model_inputs = model_inputs or {}
+    if model_inputs and position_ids is None:
+        raise ValueError("images need the multimodal rope positions: lay the rows out with "
+                         "common.valuehead.multimodal.lay_out (or pass multi_modal_inputs to compute_values)")
+    text_positions = None if position_ids is None else position_ids[0] if position_ids.dim() == 3 else position_ids
+    if text_positions is not None and is_packed(text_positions):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError(
                 "packed rows (position_ids restart at 0) cannot take a padding attention_mask: a 2-D mask "
@@ -97,7 +136,8 @@ def _head_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tenso
     if position_ids is None:
         output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     else:
-        with sequence_bounds(position_ids):
+        with sequence_bounds(text_positions):
             output = model(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=model_position_ids(model.config, position_ids), use_cache=False)
+                           position_ids=model_position_ids(model.config, position_ids), use_cache=False,
+                           **model_inputs)
     return output.logits

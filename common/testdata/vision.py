@@ -1,0 +1,68 @@
+"""Image rows for the tiny vision-language critics (configs/qwen2_vl.json, qwen2_5_vl.json, qwen3_vl.json),
+laid out as a Qwen-VL processor writes them: input_ids with the expanded placeholders (vision_start,
+t*h*w / merge**2 image tokens, vision_end per image) and per row the matching pixel patches and
+grid in multi_modal_inputs. No processor, tokenizer or download: random text ids and pixels."""
+
+from __future__ import annotations
+
+import torch
+
+TEXT_IDS = (3, 900)  # random text ids stay clear of the special ids the configs put at 996-999
+
+
+def patch_width(config) -> int:
+    """The width of one pixel_values row: channels * temporal patch * patch * patch."""
+    vision = config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+    return channels * vision.temporal_patch_size * vision.patch_size ** 2
+
+
+def placeholders(config, grid) -> int:
+    t, h, w = grid
+    return t * h * w // config.vision_config.spatial_merge_size ** 2
+
+
+def image_row(config, grids, *, before: int, after: int, generator: torch.Generator,
+              pixels: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, dict | None]:
+    """(input_ids [L], multi_modal_inputs or None): `before` random text ids, each image of `grids`
+    (t, h, w in patches) as vision_start + placeholders + vision_end, then `after` text ids. pixels:
+    each image's [t*h*w, patch_width] patches (random normal when None)."""
+    ids = [torch.randint(*TEXT_IDS, (before,), generator=generator)]
+    patches = []
+    for index, grid in enumerate(grids):
+        n = placeholders(config, grid)
+        ids.append(torch.tensor([config.vision_start_token_id] + [config.image_token_id] * n
+                                + [config.vision_end_token_id]))
+        count = grid[0] * grid[1] * grid[2]
+        patches.append(pixels[index] if pixels is not None
+                       else torch.randn(count, patch_width(config), generator=generator))
+    ids.append(torch.randint(*TEXT_IDS, (after,), generator=generator))
+    if not grids:
+        return torch.cat(ids), None
+    return torch.cat(ids), {"pixel_values": torch.cat(patches), "image_grid_thw": torch.tensor([list(g) for g in grids])}
+
+
+def padded(rows: list[torch.Tensor], left: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention_mask) of 1-D rows, right-padded with 0 (left-padded: rows in `left`)."""
+    width = max(row.numel() for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        span = slice(width - row.numel(), width) if index in left else slice(0, row.numel())
+        ids[index, span], mask[index, span] = row, 1
+    return ids, mask
+
+
+def vision_batch(config, layout: list[list[tuple[int, int, int]]], *, seed: int, left: tuple[int, ...] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[dict | None]]:
+    """(input_ids, attention_mask, multi_modal_inputs) of rows with these images each ([] for a text
+    row), text lengths drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, images = [], []
+    for grids in layout:
+        before, after = (int(n) for n in torch.randint(2, 9, (2,), generator=generator))
+        ids, mm = image_row(config, grids, before=before, after=after, generator=generator)
+        rows.append(ids)
+        images.append(mm)
+    ids, mask = padded(rows, left)
+    return ids, mask, images

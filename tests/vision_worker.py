@@ -1,0 +1,77 @@
+"""torchrun worker for test_vision_critics: vision-language critics on an FSDP2 backend, 1 or 2 ranks.
+
+  python -m critic_adapters.tests.vision_worker BACKEND ROOT FAMILY...
+For each family, ROOT/FAMILY/critic holds the critic (test_vision_critics writes it). Each
+data-parallel rank takes its own image batch (vision_rollout(family, rank)). Rank r writes
+ROOT/FAMILY/result{r}.pt: the values with packing and without (several micro-batches each), one
+update's metrics and the values after it, forward_backward's values, and rows from an export.
+"""
+
+import os
+import sys
+import warnings
+
+from critic_adapters.common.engine import RolloutBatch, shift_to_tokens
+from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.engine.registry import build_engine
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
+from critic_adapters.common.testdata import tiny_config
+from critic_adapters.common.testdata.vision import vision_batch
+
+import torch
+
+LR = 1e-3
+# Row layouts: several images in a row, a text-only row, a left-padded row, grids of other shapes.
+LAYOUT = [[(1, 4, 4)], [(1, 4, 6), (1, 2, 2)], [], [(1, 2, 4)]]
+
+
+def engine_config(model_dir: str, *, packing: bool = True) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR),
+                        batching=BatchingConfig(micro_batch_tokens=40, packing=packing), collective_timeout_s=120.0)
+
+
+def vision_rollout(family: str, rank: int) -> RolloutBatch:
+    """Rank `rank`'s batch: LAYOUT's rows (row 1 left-padded), response = the last 4 tokens of each row,
+    returns random on them, old values 0 (set from the critic by the worker)."""
+    ids, mask, images = vision_batch(tiny_config(family), LAYOUT, seed=rank, left=(1,))
+    response = torch.zeros_like(mask)
+    for row in range(ids.shape[0]):
+        valid = mask[row].nonzero().flatten()
+        response[row, valid[-4:]] = 1
+    returns = torch.randn(ids.shape, generator=torch.Generator().manual_seed(100 + rank)) * response
+    return RolloutBatch(ids, mask, response, torch.zeros(ids.shape), returns, multi_modal_inputs=images)
+
+
+def run(dist, backend: str, root: str, family: str) -> None:
+    work = os.path.join(root, family)
+    model_dir = os.path.join(work, "critic")
+    batch = vision_rollout(family, dist.rank)
+    images = batch.multi_modal_inputs
+    result = {}
+    padded = build_engine(backend, engine_config(model_dir, packing=False), dist)
+    result["values_padded"] = padded.compute_values(batch.input_ids, batch.attention_mask, images)
+    padded.close()
+    engine = build_engine(backend, engine_config(model_dir), dist)
+    values = engine.compute_values(batch.input_ids, batch.attention_mask, images)
+    result["values_packed"] = values
+    result["pieces"], _ = engine.forward_backward(batch.input_ids, batch.attention_mask, None, images)
+    step = RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                        shift_to_tokens(values) * batch.response_mask, batch.returns, multi_modal_inputs=images)
+    result["metrics"] = engine.update(step)
+    result["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask, images)
+    engine.export_hf(os.path.join(work, f"export{dist.world_size}"))
+    engine.close()
+    torch.save(result, os.path.join(work, f"result{dist.rank}.pt"))
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    backend, root, families = sys.argv[1], sys.argv[2], sys.argv[3:]
+    dist = init_distributed()
+    for family in families:
+        run(dist, backend, root, family)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
