@@ -35,11 +35,15 @@ def save_vision_critic(family: str, directory: str, seed: int = 0) -> str:
     return directory
 
 
+_ROOT: list = []
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
     for family in VLM_FAMILIES:
         save_vision_critic(family, str(root / family / "critic"))
+    _ROOT[:] = [root]
     return root
 
 
@@ -149,3 +153,31 @@ def test_the_export_reads_back_with_the_same_values_and_the_familys_backbone_key
     backbone = AutoModelForImageTextToText.from_pretrained(str(export)).model
     expected = {f"model.{name}" for name in backbone.state_dict()}
     assert keys - {"score.weight", "score.bias"} == expected  # the backbone reads back whole, nothing left over
+
+
+def test_the_machinery_with_images(run):
+    """Two ranks, the first family: HSDP steps as plain data parallel; gradient checkpointing with the
+    vision tower frozen (after an offload cycle) trains all but the tower, and a checkpoint resumes
+    its next step bit-identically; LoRA starts from the plain critic's values and never adapts the
+    vision tower; Ulysses is refused by name at build."""
+    backend, ranks, results = run
+    if ranks != 2:
+        pytest.skip("the machinery runs on two ranks")
+    family = VLM_FAMILIES[0]
+    root_dir = _ROOT[0] / family
+    out = [torch.load(root_dir / f"machinery{r}.pt") for r in range(ranks)]
+    for rank in range(ranks):
+        o = out[rank]
+        assert o["hsdp"]["value_loss"] == pytest.approx(o["plain"]["value_loss"], rel=1e-5)
+        assert o["hsdp"]["grad_norm"] == pytest.approx(o["plain"]["grad_norm"], rel=1e-4)
+        assert (o["hsdp_values"] - o["plain_values"]).abs().max() < 1e-5
+        assert o["tower_unchanged"] and o["tower_size"] > 0
+        trainable, total = o["counts"]
+        assert 0 < trainable < total
+        assert o["resumed"] == o["next"] or all(
+            o["resumed"][k] == o["next"][k] for k in o["next"] if k != "tokens_per_s")
+        assert torch.equal(o["resumed_values"], o["next_values"])
+        # B = 0: a fresh LoRA critic is the plain critic (the main run's values before any step)
+        assert (o["lora_before"] - results[family][rank]["values_packed"]).abs().max() < 1e-6
+        assert o["lora_trainable"] and not [n for n in o["lora_trainable"] if ".visual." in n]
+        assert o["ulysses"] is not None and "ulysses > 1 is not supported for a vision-language critic" in o["ulysses"]

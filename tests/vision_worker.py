@@ -5,14 +5,19 @@ For each family, ROOT/FAMILY/critic holds the critic (test_vision_critics writes
 data-parallel rank takes its own image batch (vision_rollout(family, rank)). Rank r writes
 ROOT/FAMILY/result{r}.pt: the values with packing and without (several micro-batches each), one
 update's metrics and the values after it, forward_backward's values, and rows from an export.
+On two ranks, the first family also runs the machinery (ROOT/FAMILY/machinery{r}.pt): gradient
+checkpointing + freeze_vision + an offload cycle, a checkpoint and a resumed engine's next step,
+HSDP (replicate 2) against plain data parallel, LoRA, and Ulysses refused by name at build.
 """
 
+import dataclasses
 import os
 import sys
 import warnings
 
 from critic_adapters.common.engine import RolloutBatch, shift_to_tokens
-from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, ModelConfig, OptimConfig
+from critic_adapters.common.engine.config import (BatchingConfig, EngineConfig, LoRAConfig, ModelConfig, OptimConfig,
+                                                   ParallelConfig)
 from critic_adapters.common.engine.registry import build_engine
 from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.testdata import tiny_config
@@ -64,12 +69,77 @@ def run(dist, backend: str, root: str, family: str) -> None:
     torch.save(result, os.path.join(work, f"result{dist.rank}.pt"))
 
 
+def _step(engine, batch: RolloutBatch) -> RolloutBatch:
+    values = engine.compute_values(batch.input_ids, batch.attention_mask, batch.multi_modal_inputs)
+    return RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                        shift_to_tokens(values) * batch.response_mask, batch.returns,
+                        multi_modal_inputs=batch.multi_modal_inputs)
+
+
+def _tower(engine) -> dict:
+    from critic_adapters.tests.transform_worker import parameters
+
+    return {name: tensor for name, tensor in parameters(engine).items() if ".visual." in f".{name}"}
+
+
+def machinery(dist, backend: str, root: str, family: str) -> None:
+    """The rest of the machinery with images, each against the plain engine's step."""
+    work = os.path.join(root, family)
+    model_dir = os.path.join(work, "critic")
+    batch = vision_rollout(family, dist.rank)
+    images = batch.multi_modal_inputs
+    out = {}
+    base = engine_config(model_dir)
+    plain = build_engine(backend, base, dist)
+    out["plain"] = plain.update(_step(plain, batch))
+    out["plain_values"] = plain.compute_values(batch.input_ids, batch.attention_mask, images)
+    plain.close()
+    hsdp = build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(replicate=2)), dist)
+    out["hsdp"] = hsdp.update(_step(hsdp, batch))
+    out["hsdp_values"] = hsdp.compute_values(batch.input_ids, batch.attention_mask, images)
+    hsdp.close()
+    frozen_config = dataclasses.replace(base, gradient_checkpointing=True, transforms=["freeze_vision"])
+    frozen = build_engine(backend, frozen_config, dist)
+    tower_before = _tower(frozen)
+    frozen.offload()
+    frozen.onload()
+    out["frozen"] = frozen.update(_step(frozen, batch))
+    tower_after = _tower(frozen)
+    out["tower_unchanged"] = bool(tower_before) and all(torch.equal(tower_before[n], tower_after[n])
+                                                        for n in tower_before)
+    out["tower_size"] = len(tower_before)
+    out["counts"] = frozen.parameter_counts()
+    checkpoint = os.path.join(work, "checkpoint")
+    frozen.save_checkpoint(checkpoint, {"step": 1})
+    out["next"] = frozen.update(_step(frozen, batch))
+    out["next_values"] = frozen.compute_values(batch.input_ids, batch.attention_mask, images)
+    frozen.close()
+    resumed = build_engine(backend, frozen_config, dist)
+    resumed.load_checkpoint(checkpoint)
+    out["resumed"] = resumed.update(_step(resumed, batch))
+    out["resumed_values"] = resumed.compute_values(batch.input_ids, batch.attention_mask, images)
+    resumed.close()
+    lora = build_engine(backend, dataclasses.replace(base, lora=LoRAConfig(rank=4, alpha=8.0)), dist)
+    out["lora_before"] = lora.compute_values(batch.input_ids, batch.attention_mask, images)
+    out["lora"] = lora.update(_step(lora, batch))
+    out["lora_trainable"] = sorted(n for n, p in lora.model.named_parameters() if p.requires_grad)
+    lora.close()
+    try:
+        build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(ulysses=2)), dist).close()
+        out["ulysses"] = None
+    except ValueError as error:
+        out["ulysses"] = str(error)
+    torch.save(out, os.path.join(work, f"machinery{dist.rank}.pt"))
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     backend, root, families = sys.argv[1], sys.argv[2], sys.argv[3:]
     dist = init_distributed()
     for family in families:
         run(dist, backend, root, family)
+    if dist.world_size == 2:
+        machinery(dist, backend, root, families[0])
     shutdown()
 
 

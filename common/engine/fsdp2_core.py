@@ -66,7 +66,8 @@ from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
 from ..valuehead.save import write_critic
 from ..valuehead.config import critic_class
 from ..valuehead.values import compute_bin_logits, compute_values
-from .images import checked_images, lay_out_images
+from .images import ULYSSES_REFUSAL, checked_images, lay_out_images
+from ..valuehead.multimodal import is_vision_critic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,6 +85,8 @@ def attention_for(config: EngineConfig, critic_config, dtype: torch.dtype,
     policy's choice for packed or padded rows computed in `dtype`. The attentions of our own are
     registered with transformers."""
     if config.parallel.ulysses > 1:
+        if is_vision_critic(critic_config):
+            raise ValueError(ULYSSES_REFUSAL)
         ulysses.check_attention(config)
         return kernels.Choice(ulysses.register(), f"Ulysses {config.parallel.ulysses}: heads split across ranks")
     if config.model.attn_implementation is not None:
