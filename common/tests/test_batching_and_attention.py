@@ -41,6 +41,21 @@ def test_data_parallel_shares_balance_tokens_deterministically():
     assert [s.tolist() for s in data_parallel_shares(_mask([5]), 2)] == [[0], []]  # fewer rows than ranks
 
 
+def test_data_parallel_shares_count_a_vision_critics_image_patches():
+    """Four rows of equal length, rows 0 and 2 with an image of 64 patches: by tokens alone both
+    image rows land on one rank; counting the patches (what the vision tower encodes) splits them."""
+    from critic_adapters.common.testdata import tiny_config
+    from critic_adapters.common.testdata.vision import vision_batch
+    from critic_adapters.common.valuehead.multimodal import as_rows, vision_patches
+
+    _, _, images = vision_batch(tiny_config("qwen2_vl"), [[(1, 8, 8)], [], [(1, 8, 8)], []], seed=0)
+    mask = _mask([20, 20, 20, 20])
+    patches = vision_patches(as_rows(images, 4), 4)
+    assert patches == [64, 0, 64, 0]
+    assert [s.tolist() for s in data_parallel_shares(mask, 2)] == [[0, 2], [1, 3]]
+    assert [s.tolist() for s in data_parallel_shares(mask, 2, extra_tokens=patches)] == [[0, 1], [2, 3]]
+
+
 def test_compute_values_has_its_own_micro_batch_budget():
     from critic_adapters.common.engine.config import BatchingConfig
     from critic_adapters.common.engine.update_step import step_micro_batches
