@@ -30,7 +30,8 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
                                            ("dp_shares", "--short"), ("offload", "--backends"),
                                            ("scale", "--sweep-tokens"), ("rank_memory", "--ranks"),
                                            ("value_learning", "--losses"), ("gae_speed", "--shapes"),
-                                           ("multi_turn", "--variants"), ("optimizers", "--skip-jobs")])
+                                           ("multi_turn", "--variants"), ("optimizers", "--skip-jobs"),
+                                           ("vision", "--backends")])
 def test_runs_as_a_module(tmp_path, module, option):
     import ast
 
