@@ -89,11 +89,13 @@ class VeOmniCriticEngine(FSDP2Engine):
 
     def _build_model(self):
         """The pipeline: the shard group's first rank loads and transforms the critic; VeOmni builds
-        the same tree (on meta with 2+ shard ranks, in place with one), the transforms rewrite it,
+        the same tree (on meta with 2+ data-parallel ranks, in place with one), the transforms rewrite it,
         VeOmni parallelises and materialises it, and every rank fills its part from the first rank's
         state (a name either side lacks is an error); then the dispatch checks, the probe on the
         critic's one-layer twin (value_model.probe_config)."""
-        model_cfg, fsdp = self.config.model, self.shard_size > 1
+        # FSDP2 whenever there are several data-parallel ranks: with replicas of one shard each, it is
+        # FSDP2 that all-reduces the gradients across the replicas (VeOmni's FSDP-off path has no reduction).
+        model_cfg, fsdp = self.config.model, self.shard_size > 1 or self.parallel.replicate_size > 1
         transforms = engine_transforms(self.config)
         load_kwargs = dict(trust_remote_code=model_cfg.trust_remote_code, head_prefix=model_cfg.head_prefix,
                            fresh_head=model_cfg.fresh_head, head_init_seed=model_cfg.head_init_seed,
@@ -110,7 +112,8 @@ class VeOmniCriticEngine(FSDP2Engine):
             # VeOmni's own build: on meta when sharded, at random (overwritten) with one rank
             with self._veomni_build():
                 model = value_model.build_critic(config, weights_path=None, dtype=dtype, attn_implementation=attn,
-                                                 init_device=init_device, fused_ops=ops.kernel)
+                                                 init_device=init_device, fused_ops=ops.kernel,
+                                                 parallel_state=self.parallel_state)
             value_model.check_class(model, config)
             return install_value_head(model)
 

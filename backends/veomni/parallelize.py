@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from . import compat
+from .vision_critic import VisionCritic
 from ...common.engine.config import EngineConfig, OptimConfig
 
 
@@ -61,11 +62,25 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
         mixed_precision=mixed_precision_config(config),
         enable_gradient_checkpointing=config.gradient_checkpointing,
         enable_reentrant=False,
-        # The input embedding is a unit of its own: VeOmni leaves the root's parameters unsharded
-        # after a forward, and a large vocabulary's embedding is a quarter of a 0.5B critic.
-        basic_modules=[*(model._no_split_modules or []), type(model.get_input_embeddings()).__name__],
+        basic_modules=fsdp_units(model),
         enable_fsdp_offload=offload,
     )
+
+
+def fsdp_units(model: torch.nn.Module) -> list[str]:
+    """The class names VeOmni makes FSDP units of (with the same mixed precision), besides the root:
+    the model's _no_split_modules (decoder layers; a vision critic's vision blocks too), and
+
+      - the input embedding: VeOmni leaves the root's parameters unsharded after a forward, and a
+        large vocabulary's embedding is a quarter of a 0.5B critic (the class name also takes in
+        Qwen3-VL's vision position embedding);
+      - a vision critic's vision tower, around its blocks: its patch embedding and mergers, which
+        would otherwise stay unsharded in the root; resharded after each of its forwards.
+    """
+    units = [*(model._no_split_modules or []), type(model.get_input_embeddings()).__name__]
+    if isinstance(model, VisionCritic):
+        units.append(type(model.model.visual).__name__)
+    return units
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:

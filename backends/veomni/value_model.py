@@ -1,7 +1,8 @@
 """The critic built by VeOmni: config from the shared hook, weights filled by the engine from the
 loaded critic (by HF parameter name), and a guarded dispatch that cannot silently yield a causal LM.
 
-  common.valuehead.critic_config --> build_foundation_model (VeOmni's registry picks the class)
+  common.valuehead.critic_config --> build_foundation_model (VeOmni's registry picks the class;
+  a vision-language critic is VeOmni's backbone with our head: vision_critic.py)
   --> check_class: the class, no lm_head, a [1, H] head; after the weights are in: nothing on
   meta, and [B, T, 1] on a probe of the critic's one-layer twin (probe_config)
 
@@ -24,7 +25,9 @@ from ...common.engine.registry import backends_for_family
 from ...common.parallel import ulysses
 from ...common.parallel.batching import pack
 from ...common.parallel.packed_attention import sequence_bounds
-from ...common.valuehead.config import architecture_name, head_name
+from ...common.valuehead.config import architecture_name, critic_class, head_name
+from ...common.valuehead.multimodal import is_vision_critic
+from .vision_critic import BACKBONES, build_vision_critic, is_vision_family
 
 VEOMNI_REQUIREMENT = "veomni==0.1.12"
 
@@ -52,6 +55,9 @@ def modeling_backend() -> str:
 
 def check_family_registered(config) -> None:
     """ValueError for a model type VeOmni has no modeling for, before anything is built."""
+    if is_vision_critic(config):
+        check_vision_family(config)
+        return
     if modeling_backend() == "hf" or config.model_type in VEOMNI_FAMILIES:
         return
     raise ValueError(
@@ -63,6 +69,18 @@ def check_family_registered(config) -> None:
         f"for this family")
 
 
+def check_vision_family(config) -> None:
+    """ValueError for a vision-language critic this backend does not build (vision_critic.py)."""
+    others = " or ".join(f"backend={name}" for name in backends_for_family(config.model_type, besides="veomni"))
+    if not is_vision_family(config):
+        raise ValueError(f"the VeOmni backend builds vision-language critics for {', '.join(BACKBONES)}, not "
+                         f"{config.model_type!r}; use {others or 'another backend'} for this family")
+    if modeling_backend() == "hf":
+        raise ValueError(f"a {config.model_type} critic is built on VeOmni's own modeling, and MODELING_BACKEND=hf "
+                         f"makes VeOmni build transformers' *ForConditionalGeneration instead: unset MODELING_BACKEND, "
+                         f"or use {others or 'another backend'}")
+
+
 def check_layout(model_config, engine_config, world_size: int) -> None:
     """The BackendSpec hook (common/engine/registry.py): what the VeOmni backend refuses for this model
     and layout, from the config alone; the launcher, the dry run and the trainer call it before any
@@ -72,8 +90,10 @@ def check_layout(model_config, engine_config, world_size: int) -> None:
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,
-                 init_device: str, fused_ops: str = "eager") -> torch.nn.Module:
-    """VeOmni's build_foundation_model on the critic config (a copy: VeOmni writes into it).
+                 init_device: str, fused_ops: str = "eager", parallel_state=None) -> torch.nn.Module:
+    """VeOmni's build_foundation_model on the critic config (a copy: VeOmni writes into it); for a
+    vision-language critic, on its backbone's (vision_critic.py; weights_path must be None: the
+    engine fills it by HF name), whose forwards then run under `parallel_state`.
 
     VeOmni installs its loss wrappers into transformers' LOSS_MAPPING (cross_entropy/__init__.py:
     install_loss_mapping; they return a 3-tuple where transformers' return a tensor), which would change
@@ -85,11 +105,18 @@ def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_imple
 
     from . import compat
 
+    def build(config):
+        return build_foundation_model(config_path=config, weights_path=weights_path, torch_dtype=dtype,
+                                      init_device=init_device,
+                                      ops_implementation=compat.ops_implementation(attn_implementation, fused_ops))
+
     saved_losses = dict(LOSS_MAPPING)
     try:
-        return build_foundation_model(config_path=copy.deepcopy(critic_cfg), weights_path=weights_path,
-                                      torch_dtype=dtype, init_device=init_device,
-                                      ops_implementation=compat.ops_implementation(attn_implementation, fused_ops))
+        if is_vision_critic(critic_cfg):
+            assert weights_path is None, "a vision critic's weights are filled by HF name, not by VeOmni's loader"
+            return build_vision_critic(critic_cfg, build_backbone=build, attn_implementation=attn_implementation,
+                                       parallel_state=parallel_state)
+        return build(copy.deepcopy(critic_cfg))
     finally:
         LOSS_MAPPING.clear()
         LOSS_MAPPING.update(saved_losses)
@@ -103,9 +130,15 @@ def _dispatch_error(what: str, model: torch.nn.Module, expected: str) -> ValueEr
         f"install {VEOMNI_REQUIREMENT} (tools/setup.sh), or use backend=fsdp for this family")
 
 
+def expected_class_name(critic_cfg) -> str:
+    """The class name the built critic must have: the `architectures` entry, or for a vision critic
+    transformers' generic critic class of the family, whose layout vision_critic.py builds."""
+    return critic_class(critic_cfg).__name__ if is_vision_critic(critic_cfg) else architecture_name(critic_cfg)
+
+
 def check_class(model: torch.nn.Module, critic_cfg) -> None:
     """The critic class, no vocab projection, a [1, H] head ([num_bins, H] for HL-Gauss). Local: no collective."""
-    expected = architecture_name(critic_cfg)
+    expected = expected_class_name(critic_cfg)
     if type(model).__name__ != expected:
         raise _dispatch_error(f"its class is {type(model).__name__}, not {expected}", model, expected)
     projections = [name for name, _ in model.named_modules() if name.split(".")[-1] == "lm_head"]
@@ -132,6 +165,8 @@ def check_materialized(model: torch.nn.Module) -> None:
 # The probe's twin (probe_config): one layer, a 32-token vocabulary and MLPs 32 wide.
 PROBE_WIDTH = 32
 _MLP_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+# Vision-tower block indices with a role (Qwen2.5-VL's full-attention blocks, Qwen3-VL's deepstack outputs).
+_VISION_BLOCK_LISTS = ("fullatt_block_indexes", "deepstack_visual_indexes")
 
 
 def probe_config(critic_cfg):
@@ -152,7 +187,22 @@ def probe_config(critic_cfg):
     for name in _MLP_WIDTHS:
         if getattr(text, name, None):
             setattr(text, name, min(getattr(text, name), PROBE_WIDTH))
+    if is_vision_critic(config):
+        _shrink_vision(config.vision_config)
     return config
+
+
+def _shrink_vision(vision) -> None:
+    """A vision tower of one block (MLP at most PROBE_WIDTH wide), its widths, heads and patching
+    kept (the merger's output is the text hidden size); a block-role list that is not empty keeps
+    one role, on block 0. The probe's rows hold no image; under FSDP VeOmni's forward runs the tower
+    on a dummy image, which this tower takes as the critic's would."""
+    vision.depth = 1
+    if getattr(vision, "intermediate_size", None):
+        vision.intermediate_size = min(vision.intermediate_size, PROBE_WIDTH)
+    for name in _VISION_BLOCK_LISTS:
+        if getattr(vision, name, None):
+            setattr(vision, name, [0])
 
 
 @torch.no_grad()

@@ -7,14 +7,9 @@ import torch
 
 from ..parallel.batching import MicroBatch
 from ..parallel.distributed import all_reduce
+from ..parallel.ulysses import VISION_REFUSAL as ULYSSES_REFUSAL  # noqa: F401 - the engines' name for it
 from ..valuehead import multimodal
 
-ULYSSES_REFUSAL = (
-    "engine.parallel.ulysses > 1 is not supported for a vision-language critic, which takes images: Ulysses "
-    "splits each row's tokens across ranks before the model runs, and a vision critic scatters every image's "
-    "features into its placeholder tokens inside the forward, which then sit on other ranks (and its "
-    "multimodal rope positions are per sequence). Run vision critics with engine.parallel.ulysses=1; long "
-    "rows fit with packing, gradient checkpointing and more data-parallel ranks")
 
 
 def checked_images(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs, *,

@@ -105,6 +105,14 @@ def check_heads(num_heads: int, num_kv_heads: int, degree: int) -> None:
                          f"{num_kv_heads} or a multiple of it that divides {num_heads}")
 
 
+VISION_REFUSAL = (
+    "engine.parallel.ulysses > 1 is not supported for a vision-language critic, which takes images: Ulysses "
+    "splits each row's tokens across ranks before the model runs, and a vision critic scatters every image's "
+    "features into its placeholder tokens inside the forward, which then sit on other ranks (and its "
+    "multimodal rope positions are per sequence). Run vision critics with engine.parallel.ulysses=1; long "
+    "rows fit with packing, gradient checkpointing and more data-parallel ranks")
+
+
 def check_attention(engine_config) -> None:
     """With engine.parallel.ulysses > 1 the attention is ours (ATTENTION_NAME): another explicit
     engine.model.attn_implementation is refused."""
@@ -116,9 +124,12 @@ def check_attention(engine_config) -> None:
 
 def check_layout(model_config, engine_config, world_size: int) -> None:
     """A BackendSpec check_layout (fsdp, veomni): refuse, before any process starts, a Ulysses
-    degree the model's attention heads cannot be split by, or an attention that cannot split them."""
+    degree the model's attention heads cannot be split by, an attention that cannot split them, or
+    a vision-language critic (VISION_REFUSAL)."""
     check_attention(engine_config)
     degree = engine_config.parallel.ulysses
+    if degree > 1 and getattr(model_config, "vision_config", None) is not None:
+        raise ValueError(VISION_REFUSAL)
     if degree > 1:
         text = model_config.get_text_config()
         heads = text.num_attention_heads
