@@ -14,28 +14,14 @@ from transformers import AutoModelForImageTextToText
 
 from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.learning.loss import value_loss
-from critic_adapters.common.testdata import VLM_FAMILIES, tiny_config
+from critic_adapters.common.testdata import VLM_FAMILIES
+from critic_adapters.common.testdata.vision import save_vision_critic
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
 from critic_adapters.common.valuehead import compute_values, load_critic
-from critic_adapters.common.valuehead.config import critic_class, critic_config
 from critic_adapters.common.valuehead.multimodal import token_types
 from critic_adapters.tests.vision_worker import LR, engine_config, vision_rollout
 
 BACKENDS = ("fsdp", "veomni")
-
-
-def save_vision_critic(family: str, directory: str, seed: int = 0) -> str:
-    """A random critic of the family's tiny config with a non-zero head (so values differ per token)."""
-    config = critic_config(tiny_config(family))
-    torch.manual_seed(seed)
-    model = critic_class(config)(config)
-    torch.nn.init.normal_(model.score.weight, std=0.5)
-    torch.nn.init.normal_(model.score.bias)
-    model.save_pretrained(directory)
-    return directory
-
-
-_ROOT: list = []
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ The checks, in priority order (gpu_check_cases.py; the limits are what "ok" mean
                            in bf16: update and values tokens/s, MFU against a bf16 matmul peak
                            measured in this run, peak memory per parameter
   9 veomni                 the VeOmni engine built, one update, vs 1
+  10 vision                a tiny Qwen2-VL critic with images, fsdp fp32 and bf16 on the device vs CPU
 Each check has a time estimate: one that no longer fits before the run's budget (--budget-s) is
 skipped with reason "time"; one that overruns its cap (3 x the estimate on the GPU, 10 x with --cpu,
 at least 30 s) is stopped and recorded as failed. Every

@@ -537,6 +537,37 @@ def veomni(run: Run, n) -> None:
     run.close_engine(engine)
 
 
+# --- 10 --------------------------------------------------------------------------------------------
+
+def vision(run: Run, n) -> None:
+    """A tiny Qwen2-VL critic with images: fsdp on the device vs on CPU (fp32, packed: the language
+    model on our packed / varlen attention, the vision tower on sdpa), then bf16."""
+    from critic_adapters.common.testdata import tiny_config
+    from critic_adapters.common.testdata.vision import save_vision_critic, vision_batch
+
+    model_dir = save_vision_critic("qwen2_vl", os.path.join(run.workdir, "vision_critic"))
+    config = tiny_config("qwen2_vl")
+    ids, mask, images = vision_batch(config, [[(1, 4, 4)], [(1, 4, 6), (1, 2, 2)], [], [(1, 2, 4)]], seed=0, left=(1,))
+    response = torch.zeros_like(mask)
+    response[:, -3:] = mask[:, -3:]
+    batch = RolloutBatch(ids, mask, response, torch.zeros(ids.shape), torch.randn(ids.shape) * response,
+                         multi_modal_inputs=images)
+    configs = {"fp32": EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR)),
+               "bf16": EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR), mixed_precision="bf16")}
+    host = run.build("fsdp", configs["fp32"], dist=run.host)
+    expected = host.compute_values(ids, mask, images)
+    host_metrics = host.update(batch)
+    for name, config_ in configs.items():
+        engine = run.build("fsdp", config_)
+        n[f"{name}_kernels"] = engine.load_report.kernels
+        values = engine.compute_values(ids, mask, images)
+        n.at_most(f"{name}_values_max_diff", _maxdiff(values, expected, mask), 1e-4 if name == "fp32" else 0.05)
+        metrics = engine.update(batch)
+        n.at_most(f"{name}_loss_diff", abs(metrics["value_loss"] - host_metrics["value_loss"]),
+                  (1e-5 if name == "fp32" else 0.05) * max(1.0, abs(host_metrics["value_loss"])))
+        run.close_engine(engine)
+
+
 # (name, check, (estimated seconds with --cpu, on the H200)), in priority order.
 CHECKS = [
     ("0_env", env, (15, 30)),
@@ -549,4 +580,5 @@ CHECKS = [
     ("7_fsdp_cpu_offload", fsdp_cpu_offload, (3, 20)),
     ("8_scale_bf16", scale_bf16, (8, 120)),
     ("9_veomni", veomni, (8, 40)),
+    ("10_vision", vision, (8, 30)),
 ]

@@ -53,6 +53,23 @@ def padded(rows: list[torch.Tensor], left: tuple[int, ...] = ()) -> tuple[torch.
     return ids, mask
 
 
+def save_vision_critic(family: str, directory: str, seed: int = 0) -> str:
+    """A random critic of the family's tiny config with a non-zero head (values differ per token),
+    saved as load_critic reads it."""
+    from . import tiny_config
+    from ..valuehead._quiet import quiet_transformers
+    from ..valuehead.config import critic_class, critic_config
+
+    config = critic_config(tiny_config(family))
+    torch.manual_seed(seed)
+    model = critic_class(config)(config)
+    torch.nn.init.normal_(model.score.weight, std=0.5)
+    torch.nn.init.normal_(model.score.bias)
+    with quiet_transformers():
+        model.save_pretrained(directory)
+    return directory
+
+
 def vision_batch(config, layout: list[list[tuple[int, int, int]]], *, seed: int, left: tuple[int, ...] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor, list[dict | None]]:
     """(input_ids, attention_mask, multi_modal_inputs) of rows with these images each ([] for a text
