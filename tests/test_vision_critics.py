@@ -24,6 +24,9 @@ from critic_adapters.tests.vision_worker import LR, engine_config, vision_rollou
 BACKENDS = ("fsdp", "veomni")
 
 
+_ROOT: list = []
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
@@ -152,6 +155,13 @@ def test_the_machinery_with_images(run):
     family = VLM_FAMILIES[0]
     root_dir = _ROOT[0] / family
     out = [torch.load(root_dir / f"machinery{r}.pt") for r in range(ranks)]
+    # Rank 1 with its text row only, then with no rows, beside rank 0's images: the values of a row do
+    # not depend on what the other rank passes (the first step had moved the critic, so compare
+    # with the critic after it: rank 0's rows are those of the plain run).
+    assert torch.equal(out[0]["mixed_values"], out[0]["plain_values"])
+    assert torch.equal(out[0]["empty_values"], out[0]["plain_values"])
+    assert torch.equal(out[1]["mixed_values"][0], out[1]["plain_values"][2][:out[1]["mixed_values"].shape[1]])
+    assert out[1]["empty_values"].shape[0] == 0 and out[0]["mixed_update"]["valid_tokens"] > 0
     for rank in range(ranks):
         o = out[rank]
         assert o["hsdp"]["value_loss"] == pytest.approx(o["plain"]["value_loss"], rel=1e-5)

@@ -7,7 +7,7 @@ ROOT/FAMILY/result{r}.pt: the values with packing and without (several micro-bat
 update's metrics and the values after it, forward_backward's values, and rows from an export.
 On two ranks, the first family also runs the machinery (ROOT/FAMILY/machinery{r}.pt): gradient
 checkpointing + freeze_vision + an offload cycle, a checkpoint and a resumed engine's next step,
-HSDP (replicate 2) against plain data parallel, LoRA, and Ulysses refused by name at build.
+ranks with and without images in one call, HSDP (replicate 2) against plain data parallel, LoRA, and Ulysses refused by name at build.
 """
 
 import dataclasses
@@ -91,8 +91,16 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out = {}
     base = engine_config(model_dir)
     plain = build_engine(backend, base, dist)
+    before = plain.compute_values(batch.input_ids, batch.attention_mask, images)
     out["plain"] = plain.update(_step(plain, batch))
     out["plain_values"] = plain.compute_values(batch.input_ids, batch.attention_mask, images)
+    # Ranks with and without images in one call: rank 1 passes its text row only, then no rows at all
+    # (the vision tower is an FSDP unit: every rank must run it as often).
+    mixed = batch if dist.rank == 0 else batch.select([2])
+    out["mixed_values"] = plain.compute_values(mixed.input_ids, mixed.attention_mask, mixed.multi_modal_inputs)
+    empty = batch if dist.rank == 0 else batch.select([])
+    out["empty_values"] = plain.compute_values(empty.input_ids, empty.attention_mask, empty.multi_modal_inputs)
+    out["mixed_update"] = plain.update(_step(plain, mixed))
     plain.close()
     hsdp = build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(replicate=2)), dist)
     out["hsdp"] = hsdp.update(_step(hsdp, batch))

@@ -66,7 +66,7 @@ from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
 from ..valuehead.save import write_critic
 from ..valuehead.config import critic_class
 from ..valuehead.values import compute_bin_logits, compute_values
-from .images import ULYSSES_REFUSAL, checked_images, lay_out_images
+from .images import NONE as NO_IMAGES, ULYSSES_REFUSAL, Images, checked_images, lay_out_images
 from ..valuehead.multimodal import is_vision_critic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -191,14 +191,20 @@ class FSDP2Engine(Offloadable):
 
     # -- micro-batches -------------------------------------------------------------------------------
     def _micro_batches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                       forward_only: bool = False, images: tuple | None = None) -> list[MicroBatch]:
+                       forward_only: bool = False, images: Images = NO_IMAGES) -> list[MicroBatch]:
         """This rank's micro-batches; every DP rank runs the same number (FSDP's collectives must match).
         A vision critic's rows carry their images and multimodal positions (multimodal.lay_out)."""
         micro_batches = step_micro_batches(input_ids, attention_mask, self.config.batching, group=self.dp_group,
                                            forward_only=forward_only)
-        return [lay_out_images(self.model, mb, input_ids, attention_mask, images) for mb in micro_batches]
+        return [lay_out_images(self.model, mb, input_ids, attention_mask, images, sharded=self._sharded_tower)
+                for mb in micro_batches]
 
-    def _images(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs) -> tuple | None:
+    @property
+    def _sharded_tower(self) -> bool:
+        """The vision tower's parameters are gathered across ranks when it runs."""
+        return self.shard_size > 1 or self.parallel.replicate_size > 1
+
+    def _images(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs) -> Images:
         """The rows' images (multimodal.as_rows), checked against their placeholders on every DP rank
         together (multimodal.check_rows; Ulysses refused)."""
         return checked_images(self.model.config, input_ids, attention_mask, multi_modal_inputs,
@@ -326,7 +332,7 @@ class FSDP2Engine(Offloadable):
         self.model.train(train)
         mb = lay_out_images(self.model, whole_micro_batch(input_ids, attention_mask, self.config.batching,
                                                           group=self.dp_group),
-                            input_ids, attention_mask, images)
+                            input_ids, attention_mask, images, sharded=self._sharded_tower)
         with torch.set_grad_enabled(train), self._forward(mb, input_ids.shape[1]) as (rows, raw):
             values = rows.new_zeros(input_ids.shape).index_put((torch.tensor(mb.rows, device=rows.device),), rows) \
                 if mb.rows else rows.new_zeros(input_ids.shape)

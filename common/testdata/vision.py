@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ..valuehead.multimodal import patch_width
+
 TEXT_IDS = (3, 900)  # random text ids stay clear of the special ids the configs put at 996-999
-
-
-def patch_width(config) -> int:
-    """The width of one pixel_values row: channels * temporal patch * patch * patch."""
-    vision = config.vision_config
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
-    return channels * vision.temporal_patch_size * vision.patch_size ** 2
 
 
 def placeholders(config, grid) -> int:

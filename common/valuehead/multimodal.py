@@ -114,7 +114,8 @@ def check_rows(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, ro
             grid, pixels = row.get(grid_key), row.get(pixel_key)
             if (grid is None) != (pixels is None):
                 raise ValueError(f"row {index}: multi_modal_inputs has {grid_key if grid is not None else pixel_key} "
-                                 f"without {pixel_key if grid is not None else grid_key}; a {kind} needs both")
+                                 f"without {pixel_key if grid is not None else grid_key}; {'an' if kind == 'image' else 'a'} {kind} "
+                                 f"needs both")
             if grid is None:
                 if placeholders:
                     raise ValueError(f"row {index}: input_ids hold {placeholders} {kind} placeholder token(s) "
@@ -181,6 +182,76 @@ def layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         positions[0] = torch.arange(shape[-1])
         positions[1:, where[0], where[1]] = media
     return positions, model_inputs(rows, order)
+
+
+def media_kinds(inputs: dict | None) -> set[str]:
+    """Which of "image" / "video" a micro-batch's model inputs carry."""
+    return {kind for kind, _, _, pixel_key in _MEDIA if inputs and pixel_key in inputs}
+
+
+def _four_rows(micro_batch) -> torch.Tensor:
+    """The micro-batch's positions as [4, b, N] (a text-only micro-batch's: every row the text's)."""
+    positions = micro_batch.position_ids
+    if positions is not None and positions.dim() == 3:
+        return positions
+    if positions is None:  # padded: each row counts from its first token (left padding too)
+        mask = micro_batch.attention_mask
+        text = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = text[None].repeat(4, 1, 1)
+        out[0] = torch.arange(mask.shape[-1])  # a text row restarting would read as packed
+        return out
+    return positions[None].repeat(4, 1, 1)
+
+
+def with_placeholder_media(model: torch.nn.Module, micro_batch, kinds) -> object:
+    """The micro-batch plus one more sequence of one placeholder token per kind ("image", "video"),
+    each with a zero image of the smallest grid (1, merge, merge), whose outputs nothing reads.
+
+    Why: under FSDP2 the vision tower is a unit whose parameters every rank gathers when it runs,
+    and transformers runs it only for a micro-batch with images. When another rank's micro-batch
+    has images and this one's has none, the ranks' collectives would no longer match (gloo aborts,
+    NCCL hangs). With the placeholder the tower runs here too; its features reach no value the
+    loss reads (the extra sequence is its own: packed, its own span; padded, its own row), so
+    gradients are unchanged."""
+    config = model.config
+    merge = config.vision_config.spatial_merge_size
+    patches = torch.zeros(merge * merge, patch_width(config))
+    grid = torch.tensor([[1, merge, merge]])
+    row, ids = {}, []
+    for kind, token_key, grid_key, pixel_key in _MEDIA:
+        if kind in kinds:
+            ids.append(getattr(config, token_key))
+            row[grid_key], row[pixel_key] = grid, patches
+    ids = torch.tensor(ids)
+    extra = torch.cat([torch.arange(ids.numel())[None], sequence_positions(model, ids, row)])  # [4, k]
+    positions = _four_rows(micro_batch)
+    inputs = dict(micro_batch.model_inputs or {})
+    for key, value in row.items():
+        inputs[key] = torch.cat([inputs[key], value]) if key in inputs else value
+    if micro_batch.attention_mask is None:  # packed (or the empty micro-batch): one more span in row 0
+        length = micro_batch.input_ids.shape[1]
+        gather = micro_batch.gather_index or (torch.zeros(length, dtype=torch.long), torch.arange(length))
+        input_ids = torch.cat([micro_batch.input_ids, ids[None]], dim=1)
+        positions = torch.cat([positions, extra[:, None]], dim=2)
+        return dataclasses.replace(micro_batch, input_ids=input_ids, position_ids=positions, model_inputs=inputs,
+                                   gather_index=gather)
+    b, width = micro_batch.input_ids.shape
+    width2 = max(width, ids.numel())
+    input_ids = torch.zeros(b + 1, width2, dtype=micro_batch.input_ids.dtype)
+    mask = torch.zeros(b + 1, width2, dtype=micro_batch.attention_mask.dtype)
+    grown = torch.zeros(4, b + 1, width2, dtype=torch.long)
+    grown[0] = torch.arange(width2)
+    input_ids[:b, :width], mask[:b, :width], grown[:, :b, :width] = micro_batch.input_ids, micro_batch.attention_mask, positions
+    input_ids[b, :ids.numel()], mask[b, :ids.numel()], grown[1:, b, :ids.numel()] = ids, 1, extra[1:]
+    return dataclasses.replace(micro_batch, input_ids=input_ids, attention_mask=mask, position_ids=grown,
+                               model_inputs=inputs)
+
+
+def patch_width(config) -> int:
+    """The width of one pixel_values row: channels * temporal patch * patch * patch."""
+    vision = config.vision_config
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+    return channels * vision.temporal_patch_size * vision.patch_size ** 2
 
 
 def lay_out(model: torch.nn.Module, micro_batch, input_ids: torch.Tensor, attention_mask: torch.Tensor,
