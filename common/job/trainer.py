@@ -24,7 +24,7 @@ import torch
 from ..storage import checkpoints
 from ..storage.checkpoints import EXTRA_TENSORS
 from ..engine.config import TrainConfig, to_yaml
-from ..learning.data import (Rollouts, gae, load_rollouts, make_default_records, split_held_out, to_rollouts,
+from ..learning.data import (Rollouts, gae, make_default_records, read_records, split_held_out, to_rollouts,
                              validate_records)
 from ..learning.multi_turn import make_multi_turn_records
 from ..parallel.batching import data_parallel_shares
@@ -32,17 +32,21 @@ from ..parallel.distributed import DistContext, all_gather_object, barrier, one_
 from ..engine import RolloutBatch, shift_to_tokens
 from ..engine.registry import build_engine
 from ..engine.optimizers import optimizer_line
+from ..valuehead.multimodal import select
 from ..learning.loss import explained_variance
 from .metrics import MetricsLogger, plot_metrics
 from .telemetry import Telemetry
 from .plan import PREPARED, JobPlan, plan_job, record_processes
+from .rollout_images import check_images, patches, refuse_images_for_text_critic, with_images_again
 from .run_lock import run_dir_lock
+from .vision_rollouts import make_vision_records, make_zeroed_vision_records
 
 # A checkpoint's extra tensors: the PPO iteration's old values, response tokens only,
 OLD_VALUES = "old_values"
 RETURNS = "returns"  # ... and its returns, when the job renews them (truncated rows bootstrap from the critic)
 VERSIONS = "old_values_versions"  # ... and the critic versions that computed those old values
-EMBEDDED_ROLLOUTS = {"embedded:default": make_default_records, "embedded:multi_turn": make_multi_turn_records}
+EMBEDDED_ROLLOUTS = {"embedded:default": make_default_records, "embedded:multi_turn": make_multi_turn_records,
+                     "embedded:vision": make_vision_records, "embedded:vision_zeroed": make_zeroed_vision_records}
 
 
 class TrainingInterrupted(Exception):
@@ -78,23 +82,31 @@ def resolve_model_path(path: str, run_dir: str, dist: DistContext) -> str:
 
 
 def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | None = None,
-                  say=print) -> tuple[Rollouts, Rollouts]:
-    """(train, eval) rollouts, validated; eval is data.eval_path or a held-out share of train."""
+                  say=print, *, critic_config=None) -> tuple[Rollouts, Rollouts]:
+    """(train, eval) rollouts, validated; eval is data.eval_path or a held-out share of train.
+    critic_config: the critic's, which rows with images are checked against (None: a text-only critic)."""
     data = config.data
     notes: list[str] = []
     limits = {"max_positions": max_positions, "truncate": data.truncate_to_max_positions,
               "off_mask_rewards": data.off_mask_rewards, "timestep_unit": data.timestep_unit}
-    if data.train_path in EMBEDDED_ROLLOUTS:
-        records = EMBEDDED_ROLLOUTS[data.train_path](data.num_rollouts, seed=config.engine.seed)
-        notes += validate_records(records, vocab_size, data.train_path, **limits)
+
+    def checked(records: list, source: str) -> Rollouts:
+        refuse_images_for_text_critic(records, critic_config, source, config.engine.model.path)
+        notes.extend(validate_records(records, vocab_size, source, **limits))
         rollouts = to_rollouts(records)
+        check_images(rollouts, critic_config, source)
+        return rollouts
+
+    if data.train_path in EMBEDDED_ROLLOUTS:
+        rollouts = checked(EMBEDDED_ROLLOUTS[data.train_path](data.num_rollouts, seed=config.engine.seed),
+                           data.train_path)
     elif data.train_path.startswith("embedded:"):
         raise ValueError(f"data.train_path={data.train_path}: the embedded rollout sets are "
                          f"{', '.join(EMBEDDED_ROLLOUTS)}; or give a .parquet / .jsonl file (docs/DATA.md)")
     else:
-        rollouts = load_rollouts(data.train_path, vocab_size, notes=notes, **limits)
+        rollouts = checked(read_records(data.train_path), data.train_path)
     if data.eval_path is not None:
-        train, held_out = rollouts, load_rollouts(data.eval_path, vocab_size, notes=notes, **limits)
+        train, held_out = rollouts, checked(read_records(data.eval_path), data.eval_path)
     else:
         train, held_out = split_held_out(rollouts, data, seed=config.engine.seed)
     for note in notes:
@@ -106,8 +118,9 @@ def _distributed_values(engine, rollouts: Rollouts, dist: DistContext) -> torch.
     """Critic values [N, T] for all rollouts on every rank: each data-parallel rank computes its
     token-balanced share (maybe none; its model-parallel peers compute the same share with it), then
     the DP group gathers."""
-    mine = data_parallel_shares(rollouts.attention_mask, engine.dp_size)[engine.dp_rank]
-    values = engine.compute_values(rollouts.input_ids[mine], rollouts.attention_mask[mine])
+    mine = data_parallel_shares(rollouts.attention_mask, engine.dp_size, patches(rollouts))[engine.dp_rank]
+    values = engine.compute_values(rollouts.input_ids[mine], rollouts.attention_mask[mine],
+                                   select(rollouts.multi_modal_inputs, mine))
     out = torch.zeros(rollouts.input_ids.shape, dtype=torch.float32)
     for index, share in all_gather_object((mine, values), group=engine.dp_group):
         out[index] = share
@@ -168,10 +181,20 @@ def evaluate(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext)
     name the train rows use for it) and explained variance of the current critic, over the tokens it
     regresses (the value mask's, else the response's). Returns the job renews are the current
     critic's here too (a truncated row's bootstrap)."""
+    return _scores(rollouts, *_held_out_values(engine, rollouts, config, dist))
+
+
+def _held_out_values(engine, rollouts: Rollouts, config: TrainConfig, dist: DistContext
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the current critic's predictions for each token [N, T], the returns they are scored against)."""
     values = _distributed_values(engine, rollouts, dist)
     predictions = shift_to_tokens(values)
     check_model_values(predictions, rollouts.response_mask, config, "the critic's held-out values")
     returns = critic_returns(rollouts, values, config) if renews_returns(config, rollouts) else rollouts.returns
+    return predictions, returns
+
+
+def _scores(rollouts: Rollouts, predictions: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
     mask = rollouts.loss_mask.bool()
     error = (predictions - returns)[mask]
     mse = float(0.5 * (error ** 2).mean()) if error.numel() else float("nan")
@@ -204,7 +227,7 @@ def _sequence_split_note(parallel) -> str:
 def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
     part = rollouts.select(index)
     return RolloutBatch(part.input_ids, part.attention_mask, part.response_mask, part.old_values, part.returns,
-                        value_mask=part.value_mask)
+                        value_mask=part.value_mask, multi_modal_inputs=part.multi_modal_inputs)
 
 
 def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_builder=None,
@@ -237,8 +260,16 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
             train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
             # False: a run from before the renewal
             refresh = Renewal(bool(prepared.get("refresh_old_values", False)), bool(prepared.get("renew_returns", False)))
+            if prepared.get("images"):  # data, not state: read again from the data
+                data_train, data_eval = read_rollouts(config, plan.vocab_size, plan.max_positions, lambda *_: None,
+                                                      critic_config=plan.model.critic_config)
+                where = os.path.join(run_dir, PREPARED)
+                train = with_images_again(train, data_train, config.data.train_path, where)
+                held_out = with_images_again(held_out, data_eval, config.data.eval_path or config.data.train_path,
+                                             where)
         else:
-            train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say)
+            train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say,
+                                            critic_config=plan.model.critic_config)
             refresh = renewal(config, train)
     latest = plan.resume.latest if resuming else None
     saved = plan.resume.saved if resuming else None
@@ -362,7 +393,8 @@ def _train(engine, config: TrainConfig, dist: DistContext, train: Rollouts, held
         if main:
             tmp = prepared_file + ".tmp"
             torch.save({"train": _as_dict(train), "eval": _as_dict(held_out), "refresh_old_values": refresh.old_values,
-                        "renew_returns": refresh.returns}, tmp)
+                        "renew_returns": refresh.returns,
+                        "images": train.multi_modal_inputs is not None or held_out.multi_modal_inputs is not None}, tmp)
             os.replace(tmp, prepared_file)
         barrier(world_group())
 
@@ -410,8 +442,9 @@ def _finish(engine, config: TrainConfig, dist: DistContext, held_out: Rollouts, 
                                           if trainer.tensorboard else ""))
     if dist.is_main and trainer.plot:
         say(f"plot: {plot_metrics(metrics_log.path, os.path.join(run_dir, 'training.png'))}")
-    final = evaluate(engine, held_out, config, dist)
-    say(_sample_line(engine, held_out, dist))
+    predictions, returns = _held_out_values(engine, held_out, config, dist)
+    final = _scores(held_out, predictions, returns)
+    say(_sample_line(held_out, predictions, returns))
     say(f"final explained_variance={final['explained_variance']:.4f}")
     return final
 
@@ -441,7 +474,8 @@ def _epochs(engine, config: TrainConfig, dist: DistContext, train: Rollouts, hel
                 with telemetry.compute_values():
                     renew_targets(engine, train, _iteration_rows(order, step_in_epoch, per_iteration, mini),
                                   config, dist, step, old_values=refresh.old_values, returns=refresh.returns)
-            share = data_parallel_shares(train.attention_mask[rows], engine.dp_size)[engine.dp_rank]
+            share = data_parallel_shares(train.attention_mask[rows], engine.dp_size,
+                                         patches(train, rows))[engine.dp_rank]
             with telemetry.update(train.attention_mask[rows].sum(1)) as measured:
                 metrics = engine.update(_batch(train, rows[share]))  # a DP rank's share, balanced by tokens
             metrics.update(measured)
@@ -516,14 +550,13 @@ def lora_line(lora) -> str:
             f"head train, the backbone is frozen")
 
 
-def _sample_line(engine, rollouts: Rollouts, dist: DistContext) -> str:
-    """The trained critic's values next to the returns for the first response tokens of held-out rollout 0."""
-    first = rollouts.select(torch.tensor([0]))
-    predictions = shift_to_tokens(_distributed_values(engine, first, dist))[0]
-    tokens = first.loss_mask[0].bool().nonzero().flatten()[:8]
-    values = [round(v, 3) for v in predictions[tokens].tolist()]
-    returns = [round(r, 3) for r in first.returns[0, tokens].tolist()]
-    return f"held-out rollout 0, first response tokens: values {values} vs returns {returns}"
+def _sample_line(rollouts: Rollouts, predictions: torch.Tensor, returns: torch.Tensor) -> str:
+    """The trained critic's values next to the returns for the first response tokens of held-out rollout 0
+    (from the final evaluation's values: a one-row call would leave data-parallel ranks without rows)."""
+    tokens = rollouts.loss_mask[0].bool().nonzero().flatten()[:8]
+    values = [round(v, 3) for v in predictions[0, tokens].tolist()]
+    targets = [round(r, 3) for r in returns[0, tokens].tolist()]
+    return f"held-out rollout 0, first response tokens: values {values} vs returns {targets}"
 
 
 def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bool, say,
@@ -541,7 +574,8 @@ def _save(engine, root: str, step: int, position: dict, keep_last: int, main: bo
 
 
 def _as_dict(rollouts: Rollouts) -> dict:
-    return {f.name: getattr(rollouts, f.name) for f in dataclasses.fields(rollouts)}
+    """The prepared rollouts' tensors; their images stay in the data (a resume reads them again)."""
+    return {f.name: getattr(rollouts, f.name) for f in dataclasses.fields(rollouts) if f.name != "multi_modal_inputs"}
 
 
 def _progress(total: int, done: int, *, enabled: bool):
@@ -573,7 +607,8 @@ def dry_run(plan: JobPlan, *, say=print) -> None:
         prepared = torch.load(os.path.join(os.path.abspath(config.trainer.run_dir), PREPARED), weights_only=True)
         train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
     else:
-        train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say)
+        train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say,
+                                        critic_config=plan.model.critic_config)
         renewal(config, train)
     tokens = int(train.attention_mask.sum())
     say(f"rollouts: {len(train)} train ({tokens} tokens), {len(held_out)} held out; config OK")

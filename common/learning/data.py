@@ -12,6 +12,9 @@ Schema (one rollout per row/line; docs/DATA.md):
                               GAE returns bootstrap from the critic's value after its last token
   version        int          optional, per row, with old_values: the critic version (optimizer
                               steps) that computed them; the job reports their staleness
+  multi_modal_inputs  object  optional, per row: the processor's arrays of the row's images/videos
+                              (pixel_values, image_grid_thw, ...; common/learning/media.py), or null;
+                              input_ids then hold the expanded placeholder tokens
 Per-token fields are aligned with input_ids: entry t belongs to token t, whose value the critic
 predicts at position t - 1. Token 0 can therefore never be a response token.
 """
@@ -27,6 +30,7 @@ import torch
 
 # gae: where callers have always found it (the GAE itself is common/learning/gae.py)
 from .gae import OFF_MASK_REWARDS, TIMESTEP_UNITS, gae, turn_ids_problem  # noqa: F401
+from .media import FIELD as MULTI_MODAL, media_problem, read_parquet_media
 
 REQUIRED = ("input_ids", "response_mask")
 TARGETS = ("returns", "rewards")
@@ -53,6 +57,9 @@ class Rollouts:
     versions: torch.Tensor | None = None
     """int64 [N]: the critic version that computed each row's old values (the data's `version`, or
     the engine's when the job computed them)."""
+    multi_modal_inputs: tuple | None = None
+    """Per row, a dict of its images' tensors ({} for a text row; common/learning/media.py); None
+    when no row has any."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -67,6 +74,9 @@ class Rollouts:
         length = int(self.attention_mask[index].sum(dim=1).max()) if len(index) else 0
 
         def pick(value):
+            if isinstance(value, tuple):  # multi_modal_inputs
+                picked = tuple(value[int(i)] for i in index)
+                return picked if any(picked) else None
             if not isinstance(value, torch.Tensor):
                 return value
             return value[index] if value.dim() == 1 else value[index, :length]
@@ -80,7 +90,13 @@ def read_records(path: str) -> list:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
+        if MULTI_MODAL not in table.column_names:
+            return table.to_pylist()
+        records = table.drop_columns([MULTI_MODAL]).to_pylist()
+        for record, media in zip(records, read_parquet_media(table.column(MULTI_MODAL))):
+            record[MULTI_MODAL] = media
+        return records
     if not path.endswith((".jsonl", ".json")):
         raise ValueError(f"rollout file {path}: use .parquet, .jsonl or .json")
     with open(path) as f:
@@ -206,11 +222,23 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         if row_problems:
             problems += [f"row {row}: {p}" for p in row_problems]
             continue
+        media, problem = media_problem(record.get(MULTI_MODAL))
+        if problem:
+            problems.append(f"row {row}: {MULTI_MODAL}: {problem}")
+            continue
+        if MULTI_MODAL in record:
+            record[MULTI_MODAL] = media  # as tensors
         if max_positions is not None and n > max_positions:
             if not truncate:
                 problems.append(f"row {row}: input_ids has {n} tokens, more than the model's max_position_embeddings "
                                 f"({max_positions}); shorten it, or set data.truncate_to_max_positions=true to cut "
                                 f"such rows to {max_positions} tokens")
+                continue
+            if record.get(MULTI_MODAL):
+                problems.append(f"row {row}: input_ids has {n} tokens, more than the model's max_position_embeddings "
+                                f"({max_positions}), and it has images: cutting it could part their placeholder "
+                                f"tokens from their pixels, so it is not cut; shorten it (fewer or smaller images, "
+                                f"a shorter text)")
                 continue
             for name in PER_TOKEN:
                 if record.get(name) is not None:
@@ -339,10 +367,11 @@ def to_rollouts(records: list[dict]) -> Rollouts:
     versions = None
     if records[0].get("version") is not None:
         versions = torch.tensor([int(r["version"]) for r in records], dtype=torch.long)
+    media = tuple(r.get(MULTI_MODAL) or {} for r in records)
     return Rollouts(input_ids, attention_mask, padded("response_mask", torch.long), padded("returns", torch.float32),
                     padded("rewards", torch.float32), old_values, value_mask=padded("value_mask", torch.long),
                     turn_ids=turn_ids, truncated=truncated, brought_old_values=old_values is not None,
-                    versions=versions)
+                    versions=versions, multi_modal_inputs=media if any(media) else None)
 
 
 def load_rollouts(path: str, vocab_size: int, *, max_positions: int | None = None, truncate: bool = False,
