@@ -122,5 +122,35 @@ def test_values_for_a_whole_rollout_file(tmp_path, capsys):
     assert tree_snapshot(tmp_path) == before
 
 
+def test_values_for_a_rollout_file_with_images(tmp_path, capsys):
+    """A vision critic's values over a rollout file with images are those computed with the images; a
+    text-only critic refuses the images by name and writes nothing."""
+    from critic_adapters.common.job.vision_rollouts import make_vision_records
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+
+    records = make_vision_records(3)
+    for r in records:
+        r["multi_modal_inputs"] = {k: v.tolist() for k, v in r["multi_modal_inputs"].items()}
+    rollouts = tmp_path / "images.jsonl"
+    rollouts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = save_tiny_causal_lm("qwen2_vl", str(tmp_path / "vlm"))
+    out = tmp_path / "values.parquet"
+    assert cli(["values", path, "--rollouts", str(rollouts), "--out", str(out)]) == 0
+    table = pq.read_table(out).to_pylist()
+    model, _ = load_critic(path)
+    ids = torch.tensor([records[1]["input_ids"]])
+    images = [{k: torch.tensor(v) for k, v in records[1]["multi_modal_inputs"].items()}]
+    with torch.no_grad():
+        expected = shift_to_tokens(compute_values(model, ids, torch.ones_like(ids), multi_modal_inputs=images))[0]
+        blind = shift_to_tokens(compute_values(model, ids, torch.ones_like(ids)))[0]
+    assert torch.allclose(torch.tensor(table[1]["values"]), expected, atol=1e-5)
+    assert not torch.allclose(torch.tensor(table[1]["values"]), blind, atol=1e-4)
+    text_critic, _ = build.causal_lm(str(tmp_path / "text"))
+    capsys.readouterr()
+    assert cli(["values", text_critic, "--rollouts", str(rollouts), "--out", str(tmp_path / "no.parquet")]) == 2
+    assert "text-only and cannot see them" in capsys.readouterr().err
+    assert not (tmp_path / "no.parquet").exists()
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

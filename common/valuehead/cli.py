@@ -190,14 +190,16 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     values = []
     with torch.no_grad(), tqdm(total=len(records), desc="values", unit="rollout", file=sys.stderr) as bar:
         for start in range(0, len(records), batch_size):
-            rows = [r["input_ids"] for r in records[start:start + batch_size]]
+            chunk = records[start:start + batch_size]
+            rows = [r["input_ids"] for r in chunk]
+            images = [r.get("multi_modal_inputs") for r in chunk]  # a vision critic's (a text critic refuses them)
             width = max(len(r) for r in rows)
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             mask = torch.zeros(len(rows), width, dtype=torch.long)
             for i, r in enumerate(rows):
                 ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
                 mask[i, :len(r)] = 1
-            predictions = shift_to_tokens(compute_values(model, ids, mask))
+            predictions = shift_to_tokens(compute_values(model, ids, mask, multi_modal_inputs=images))
             values += [predictions[i, :len(r)].tolist() for i, r in enumerate(rows)]
             bar.update(len(rows))
     table = pa.table({"input_ids": [[int(t) for t in r["input_ids"]] for r in records],
