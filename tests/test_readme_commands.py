@@ -179,6 +179,40 @@ assert truncated.any()
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_the_vision_example_runs(tmp_path):
+    """The README's vision-critic snippet, with a stand-in for a Qwen-VL processor (its batch layout:
+    every row's patches concatenated in pixel_values, image_grid_thw per image) and a tiny VLM."""
+    with open(README) as f:
+        text = f.read()
+    section = text[text.index("## Vision-language critics"):].split("\n## ", 1)[0]
+    (example,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    from critic_adapters.common.testdata import save_tiny_causal_lm
+
+    model = save_tiny_causal_lm("qwen2_vl", str(tmp_path / "vlm"))
+    prelude = """
+import torch
+from critic_adapters.common.learning.media import split_processor_batch
+from critic_adapters.common.testdata import tiny_config
+from critic_adapters.common.testdata.vision import vision_batch
+
+ids, mask, rows = vision_batch(tiny_config("qwen2_vl"), [[(1, 4, 4)], [], [(1, 2, 4), (1, 4, 4)]], seed=0)
+texts = images = None
+def processor(text, images, return_tensors, padding):
+    media = [r for r in rows if r]
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat([r["pixel_values"] for r in media]),
+            "image_grid_thw": torch.cat([r["image_grid_thw"] for r in media])}
+"""
+    check = """
+from critic_adapters.common.valuehead import compute_values as plain
+assert values.shape == ids.shape
+assert not torch.allclose(values[0], plain(critic, ids, mask)[0])  # the pixels reached the values
+assert torch.equal(values, compute_values(critic, ids, mask, multi_modal_inputs=rows))
+"""
+    code = prelude + example.replace('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(model)) + check
+    result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_the_ray_example_runs(tmp_path):
     """The README's RayCriticGroup block, on a local cluster (token authentication off in this test's
     own environment, its ~/.ray in tmp_path)."""
