@@ -91,7 +91,6 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out = {}
     base = engine_config(model_dir)
     plain = build_engine(backend, base, dist)
-    before = plain.compute_values(batch.input_ids, batch.attention_mask, images)
     out["plain"] = plain.update(_step(plain, batch))
     out["plain_values"] = plain.compute_values(batch.input_ids, batch.attention_mask, images)
     # Ranks with and without images in one call: rank 1 passes its text row only, then no rows at all
