@@ -43,6 +43,13 @@ def test_unsupported_family(tmp_path):
     assert torch.distributed.is_initialized() == group_before and not parallel_state.model_parallel_is_initialized()
 
 
+def test_a_vision_language_critic_is_refused_by_name_pointing_to_fsdp_and_veomni(tmp_path):
+    path = save_tiny_causal_lm("qwen2_vl", str(tmp_path / "vlm"))
+    with pytest.raises(ValueError, match=r"megatron backend has no vision-language critic \(qwen2_vl\).*"
+                                         r"backend=fsdp or backend=veomni"):
+        build(path, 1)
+
+
 def test_parallel_degrees_must_be_positive():
     with pytest.raises(ValueError, match=r"engine.parallel.tensor=0 must be >= 1"):
         ParallelConfig(tensor=0)
