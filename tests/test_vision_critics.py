@@ -15,10 +15,9 @@ from transformers import AutoModelForImageTextToText
 from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.learning.loss import value_loss
 from critic_adapters.common.testdata import VLM_FAMILIES
-from critic_adapters.common.testdata.vision import save_vision_critic
+from critic_adapters.common.testdata.vision import save_vision_critic, transformers_values
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
 from critic_adapters.common.valuehead import compute_values, load_critic
-from critic_adapters.common.valuehead.multimodal import token_types
 from critic_adapters.tests.vision_worker import LR, engine_config, vision_rollout
 
 BACKENDS = ("fsdp", "veomni")
@@ -49,23 +48,6 @@ def run(request, root):
         _RUNS[request.param] = {family: [torch.load(root / family / f"result{r}.pt") for r in range(ranks)]
                                 for family in VLM_FAMILIES}
     return backend, ranks, _RUNS[request.param]
-
-
-def transformers_values(critic_dir: str, batch) -> torch.Tensor:
-    """Values [B, T] from transformers' own VLM backbone (AutoModelForImageTextToText's .model) and the
-    saved head, each row run alone with the processor-style inputs (mm_token_type_ids included)."""
-    backbone = AutoModelForImageTextToText.from_pretrained(critic_dir).model.eval()
-    head = load_file(f"{critic_dir}/model.safetensors")
-    out = torch.zeros(batch.input_ids.shape)
-    with torch.no_grad():
-        for row in range(batch.input_ids.shape[0]):
-            valid = batch.attention_mask[row].bool()
-            ids = batch.input_ids[row][valid][None]
-            images = batch.multi_modal_inputs[row] if batch.multi_modal_inputs else {}
-            kwargs = dict(images, mm_token_type_ids=token_types(backbone.config, ids)) if images else {}
-            hidden = backbone(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]
-            out[row, valid] = (hidden @ head["score.weight"].T + head["score.bias"])[:, 0]
-    return out
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)

@@ -19,7 +19,7 @@ FIELD = "multi_modal_inputs"
 SHAPES = {"pixel_values": 2, "image_grid_thw": 2, "pixel_values_videos": 2, "video_grid_thw": 2,
           "second_per_grid_ts": 1}
 # Per-token arrays a processor also writes; the critic derives them from input_ids, so they are dropped.
-DERIVED = ("mm_token_type_ids", "token_type_ids")
+DERIVED = ("mm_token_type_ids", "token_type_ids", "images_seqlens")
 # (placeholder id in the model config, grid key, pixel key) of each medium, in the processor's order.
 _MEDIA = (("image_token_id", "image_grid_thw", "pixel_values"),
           ("video_token_id", "video_grid_thw", "pixel_values_videos"))

@@ -78,3 +78,27 @@ def vision_batch(config, layout: list[list[tuple[int, int, int]]], *, seed: int,
         images.append(mm)
     ids, mask = padded(rows, left)
     return ids, mask, images
+
+
+def transformers_values(critic_dir: str, batch) -> torch.Tensor:
+    """The vision critics' tests' reference: values [B, T] from transformers' own VLM backbone
+    (AutoModelForImageTextToText's .model) and the saved head (score.*) of the critic in `critic_dir`,
+    each row of `batch` (input_ids, attention_mask, multi_modal_inputs) run alone with a processor's
+    inputs, mm_token_type_ids included."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from ..valuehead.multimodal import token_types
+
+    backbone = AutoModelForImageTextToText.from_pretrained(critic_dir).model.eval()
+    head = load_file(f"{critic_dir}/model.safetensors")
+    out = torch.zeros(batch.input_ids.shape)
+    with torch.no_grad():
+        for row in range(batch.input_ids.shape[0]):
+            valid = batch.attention_mask[row].bool()
+            ids = batch.input_ids[row][valid][None]
+            images = batch.multi_modal_inputs[row] if batch.multi_modal_inputs else {}
+            kwargs = dict(images, mm_token_type_ids=token_types(backbone.config, ids)) if images else {}
+            hidden = backbone(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]
+            out[row, valid] = (hidden @ head["score.weight"].T + head["score.bias"])[:, 0]
+    return out

@@ -24,9 +24,9 @@ import torch
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 KEYS = IMAGE_KEYS + VIDEO_KEYS
-# What a processor also writes and the critic derives itself (per token, so it would not survive
-# packing): accepted and dropped.
-DERIVED_KEYS = ("mm_token_type_ids", "token_type_ids")
+# What a processor (or a stack) also writes and the critic derives itself (per token, so it would not
+# survive packing; verl's agent loop adds images_seqlens for its compute accounting): accepted and dropped.
+DERIVED_KEYS = ("mm_token_type_ids", "token_type_ids", "images_seqlens")
 # (kind, placeholder id in the config, grid key, pixel key)
 _MEDIA = (("image", "image_token_id", "image_grid_thw", "pixel_values"),
           ("video", "video_token_id", "video_grid_thw", "pixel_values_videos"))

@@ -12,7 +12,10 @@ Rows: every actor reads the whole batch (from the object store: a tensor is put 
 object reference from a stack's own actors is passed as it is) and takes its data-parallel share
 (balanced by tokens, as the torchrun trainer shares them; TP/PP/SP peers take the same rows). Values are
 gathered back in row order from one actor per data-parallel rank; metrics are rank 0's (the engines
-reduce them over the data-parallel ranks).
+reduce them over the data-parallel ranks). A vision-language critic's images (multi_modal_inputs:
+one dict of the processor's tensors or None per row, in a RolloutBatch or beside input_ids) go to
+the store once too; each actor takes its rows' images with its rows, and a row's image patches count
+as tokens in the balance (common.valuehead.multimodal.vision_patches).
 
 The group has the whole engine contract (common.engine.CriticEngine): the step in pieces
 (forward_backward on each actor's share, step_optimizer, zero_grad, scheduler) for a host's own
@@ -246,11 +249,15 @@ class RayCriticGroup:
 
     parallel = None  # the engines' meshes live in the actors (common.engine.CriticEngine.parallel)
 
-    def compute_values(self, input_ids, attention_mask, *, return_version: bool = False) -> torch.Tensor:
+    def compute_values(self, input_ids, attention_mask, multi_modal_inputs=None, *,
+                       return_version: bool = False) -> torch.Tensor:
         """float32 [B, T] values of every row, in row order (tensors or Ray object references);
-        return_version=True: (values, the engines' version that computed them)."""
+        multi_modal_inputs: a vision critic's images, one dict or None per row (or a reference to
+        them), each actor's share taking its rows' images; return_version=True: (values, the
+        engines' version that computed them)."""
         input_ids, attention_mask = _by_reference(input_ids), _by_reference(attention_mask)
-        values = self._in_row_order(self._call_all("compute_values", input_ids, attention_mask))
+        images = None if multi_modal_inputs is None else _by_reference(multi_modal_inputs)
+        values = self._in_row_order(self._call_all("compute_values", input_ids, attention_mask, images))
         return (values, self.version) if return_version else values
 
     @property
@@ -272,15 +279,17 @@ class RayCriticGroup:
         return out
 
     # -- the step in pieces (common.engine.CriticEngine), for a host that drives its own loss ------
-    def forward_backward(self, input_ids, attention_mask, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_backward(self, input_ids, attention_mask, loss_fn=None, multi_modal_inputs=None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The engines' forward_backward, each actor on its data-parallel share (balanced by tokens
-        of these rows, as compute_values): `loss_fn` (pickled to the actors) is called on every actor
-        with the values of its share and, as on any engine, the gradients are averaged over the
-        data-parallel ranks, so a loss normalised over all the rows carries a factor
-        data_parallel_ranks. Returns (the values of every row in row order, data-parallel rank 0's
-        loss or None)."""
+        of these rows, as compute_values; multi_modal_inputs as compute_values'): `loss_fn` (pickled
+        to the actors) is called on every actor with the values of its share and, as on any engine,
+        the gradients are averaged over the data-parallel ranks, so a loss normalised over all the
+        rows carries a factor data_parallel_ranks. Returns (the values of every row in row order,
+        data-parallel rank 0's loss or None)."""
         input_ids, attention_mask = _by_reference(input_ids), _by_reference(attention_mask)
-        shares = self._call_all("forward_backward", input_ids, attention_mask, loss_fn)
+        images = None if multi_modal_inputs is None else _by_reference(multi_modal_inputs)
+        shares = self._call_all("forward_backward", input_ids, attention_mask, loss_fn, images)
         return self._in_row_order(shares), shares[0][2]
 
     def step_optimizer(self) -> float:
@@ -315,7 +324,8 @@ class RayCriticGroup:
         return _GroupScheduler(self)
 
     def update(self, batch) -> dict[str, float]:
-        """One optimizer step over the whole mini-batch (a RolloutBatch or an object reference to one);
+        """One optimizer step over the whole mini-batch (a RolloutBatch or an object reference to one;
+        a vision critic's images in its multi_modal_inputs go with their rows to the actors);
         the metrics of common.engine.update_step.METRICS, reduced over the data-parallel ranks."""
         return self._call_all("update", _by_reference(batch))[0]
 

@@ -3,7 +3,10 @@ RayCriticGroup hands it (rank, world size, rendezvous address) and builds the en
 
 The actor selects its own rows of what it is given (its data-parallel share, balanced by tokens as
 the torchrun trainer shares them: common.parallel.batching.data_parallel_shares), so a stack can pass a rollout batch as one Ray object reference that
-every actor reads from the object store, without a copy through the driver per actor.
+every actor reads from the object store, without a copy through the driver per actor. A vision
+critic's rows carry their images (multi_modal_inputs, one dict or None per row): a share takes its
+rows' images with them, and its image patches count as tokens in the balance (the vision tower
+encodes every one).
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import torch
 from ...common.parallel.batching import data_parallel_shares
 
 
-def _share(batch, rows: torch.Tensor):
-    return batch.map(lambda tensor: tensor[rows])
+def _multimodal():
+    """common.valuehead.multimodal, imported on first use: importing the package stays free of transformers."""
+    from ...common.valuehead import multimodal
+
+    return multimodal
 
 
 class CriticWorker:
@@ -58,23 +64,33 @@ class CriticWorker:
             info["counts"] = self.engine.parameter_counts()
         return info
 
-    def _rows(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """This data-parallel rank's rows, balanced by tokens as the trainer shares them."""
-        return data_parallel_shares(attention_mask, self.engine.dp_size)[self.engine.dp_rank]
+    def _rows(self, attention_mask: torch.Tensor, images: tuple | None = None) -> torch.Tensor:
+        """This data-parallel rank's rows, balanced by tokens as the trainer shares them (a row's
+        image patches counted as tokens)."""
+        patches = _multimodal().vision_patches(images, attention_mask.shape[0])
+        return data_parallel_shares(attention_mask, self.engine.dp_size, patches)[self.engine.dp_rank]
 
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+    def _share(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs) -> tuple:
+        """(row indices, their input_ids, attention_mask and images) of this data-parallel share."""
+        multimodal = _multimodal()
+        images = multimodal.as_rows(multi_modal_inputs, input_ids.shape[0])
+        rows = self._rows(attention_mask, images)
+        return rows, input_ids[rows], attention_mask[rows], multimodal.select(images, rows)
+
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs=None) -> tuple:
         """(this data-parallel share's row indices, their values [rows, T])."""
-        rows = self._rows(attention_mask)
-        return rows, self.engine.compute_values(input_ids[rows], attention_mask[rows])
+        rows, *share = self._share(input_ids, attention_mask, multi_modal_inputs)
+        return rows, self.engine.compute_values(*share)
 
     def update(self, batch) -> dict:
-        return self.engine.update(_share(batch, self._rows(batch.attention_mask)))
+        return self.engine.update(batch.select(self._rows(batch.attention_mask, batch.multi_modal_inputs)))
 
-    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None) -> tuple:
+    def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None,
+                         multi_modal_inputs=None) -> tuple:
         """(this data-parallel share's row indices, their values, the loss or None): the engine's
         forward_backward on the share, `loss_fn` called on the share's values."""
-        rows = self._rows(attention_mask)
-        values, loss = self.engine.forward_backward(input_ids[rows], attention_mask[rows], loss_fn)
+        rows, ids, mask, images = self._share(input_ids, attention_mask, multi_modal_inputs)
+        values, loss = self.engine.forward_backward(ids, mask, loss_fn, images)
         # On the CPU: the driver may have no device (the engine returns them detached).
         return rows, values.cpu(), None if loss is None else loss.cpu()
 

@@ -18,6 +18,12 @@ sequence (verl's left_right_2_no_padding). This engine:
     average gradients over the data-parallel ranks, as verl's own engines do;
   - returns verl's output layout (postprocess_batch_func): model_output.values, loss, metrics.
 
+A vision-language critic's images come in verl's batch as verl's own engines take them: the key
+multi_modal_inputs (its DataProto's non_tensor_batch: one dict of the processor's tensors or None per
+row), which verl's micro-batch split carries with the rows; each micro-batch passes its rows' dicts
+to our engine (micro_batch_images). Qwen-VL position ids ([4, n] per sequence: text, then the
+multimodal rope's t/h/w) are checked by their text row; the engine derives the t/h/w rows itself.
+
 A batch may carry a value_mask (agentic stacks, VAGEN's verl fork: the response tokens whose
 values the critic regresses, in response_mask's layout). verl's value_loss masks by response_mask
 and the token count comes from loss_mask, so both are narrowed to it first (apply_value_mask).
@@ -27,6 +33,8 @@ backends' formats, resharded on load). The critic comes from any format load_cri
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from verl.utils import tensordict_utils as tu
@@ -53,14 +61,46 @@ def padded_rows(micro_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = (torch.arange(padded.shape[1])[None] < lengths[:, None]).long()
     positions = micro_batch.get("position_ids", None)
     if positions is not None:
-        if not getattr(positions, "is_nested", False) or positions.values().dim() != 1:
-            raise ValueError("the critic_adapters engine takes 1-D text position ids (nested, one per token); "
-                             "multimodal 3-D positions are not supported in verl's engine slot")
+        text = text_positions(positions)
         expected = torch.cat([torch.arange(int(n)) for n in lengths])
-        if not torch.equal(positions.values().cpu(), expected):
+        if not torch.equal(text.cpu(), expected):
             raise ValueError("the critic_adapters engine needs each sequence's position ids to be 0..n-1 (what "
                              "left_right_2_no_padding gives for left-padded prompts and right-padded responses)")
     return padded * mask, mask, offsets
+
+
+def text_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The text position of every token of a nested position_ids: one per token, or a Qwen-VL
+    batch's [4, n] per sequence (verl's layout: text positions, then the multimodal rope's t/h/w),
+    whose first row it is. The t/h/w rows are not read: our engine derives each sequence's from its
+    images (the family's get_rope_index), as verl's data pipeline computes them."""
+    if not positions.is_nested:
+        raise ValueError("the critic_adapters engine takes nested position ids (verl's no-padding layout)")
+    values = positions.values()
+    if values.dim() == 1:
+        return values
+    if values.dim() == 2 and values.shape[0] == 4:
+        return values[0]
+    raise ValueError(f"the critic_adapters engine takes position ids of one text position per token or verl's "
+                     f"Qwen-VL layout [4, n] per sequence (text, then t/h/w); got values of shape "
+                     f"{tuple(values.shape)}")
+
+
+# Keys verl writes into a row's multi_modal_inputs for itself, not for the model (its agent loop's
+# images_seqlens: for its FLOPs count).
+VERL_ONLY_KEYS = ("images_seqlens",)
+
+
+def micro_batch_images(micro_batch) -> list | None:
+    """The micro-batch's multi_modal_inputs: one dict of the processor's tensors or None per row
+    (verl's non_tensor_batch key; in its TensorDicts a NonTensorStack, which verl's row selection,
+    mini-batch iterator and micro-batch split carry with their rows), verl's own keys dropped. None
+    without the key."""
+    if "multi_modal_inputs" not in micro_batch.keys():
+        return None
+    rows = micro_batch["multi_modal_inputs"]  # a list of the rows' entries
+    return [{key: value for key, value in row.items() if key not in VERL_ONLY_KEYS} if isinstance(row, Mapping)
+            else row for row in rows]
 
 
 def as_nested(values: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -248,7 +288,8 @@ class CriticAdaptersEngine(BaseEngine):
                 return loss
 
             train = loss_function is not None and not forward_only
-            values, loss = self.engine.forward_backward(input_ids, mask, verl_loss if train else None)
+            values, loss = self.engine.forward_backward(input_ids, mask, verl_loss if train else None,
+                                                        micro_batch_images(micro_batch))
             nested = as_nested(values.to(device), mask, offsets)
             if loss_function is not None and not train:  # evaluation with a loss: verl reports it too
                 loss, found = loss_function(model_output={"values": nested}, data=micro_batch, dp_group=group)

@@ -2,8 +2,9 @@
 in the verl overlay (tools/setup.sh: .overlays/verl-0.9.1, transformers 5.10.4), in verl_worker.py
 processes (the one-process checks batched into two processes, the two-process ones into one
 torchrun): values equal our compute_values, one update equals verl's own fsdp2 value-model engine on
-the same weights, a value_mask in verl's batch trains as that response_mask would, a checkpoint
-resumes bit-identically, and critics from other formats train there with their heads."""
+the same weights, a value_mask in verl's batch trains as that response_mask would, a vision-language
+critic reads the multi_modal_inputs in verl's batch, a checkpoint resumes bit-identically, and critics
+from other formats train there with their heads."""
 
 import os
 import re
@@ -118,6 +119,10 @@ PARITY_RUNS = [("fsdp", 1), ("megatron", 1), ("veomni", 1), ("fsdp-offload", 1),
 # A value_mask key in verl's batch (issue 42), in the same worker runs: on 2 processes it must be
 # counted over both data-parallel ranks.
 VALUE_MASK_RUNS = [("fsdp", 1), ("fsdp", 2)]
+# A vision-language critic with multi_modal_inputs in verl's batch (issue 43), in the same worker runs
+# on its own critic (vision_critic_dir): on 2 processes each rank has its rows' images, and a
+# micro-batch of one rank may have images where the other's has none.
+VISION_RUNS = [("fsdp", 1), ("fsdp", 2)]
 PEERS = ("-tp2", "-sp2", "-cp2")  # model-parallel peers: verl collects outputs from the first rank of each
 
 
@@ -134,34 +139,46 @@ def held_off_device(backend: str) -> list[str]:
 
 
 def worker_runs(processes: int) -> list[tuple[str, str]]:
-    """(check, backend) of verl_worker's runs on `processes` processes: parity, then value_mask."""
+    """(check, backend) of verl_worker's runs on `processes` processes: parity, value_mask, vision."""
     return ([("parity", backend) for backend, n in PARITY_RUNS if n == processes]
-            + [("value_mask", backend) for backend, n in VALUE_MASK_RUNS if n == processes])
+            + [("value_mask", backend) for backend, n in VALUE_MASK_RUNS if n == processes]
+            + [("vision", backend) for backend, n in VISION_RUNS if n == processes])
 
 
 @pytest.fixture(scope="module")
-def single_process_parity(critic_dir, tmp_path_factory) -> dict:
-    """The one-process runs (worker_runs), every backend's one after another in one verl-overlay
-    process (one interpreter start for all): {(check, backend): its result}."""
+def vision_critic_dir(tmp_path_factory) -> str:
+    """A tiny qwen2_vl critic with a non-zero head (the vision runs')."""
+    from critic_adapters.common.testdata.vision import save_vision_critic
+
+    return save_vision_critic("qwen2_vl", str(tmp_path_factory.mktemp("verl_vision") / "critic"))
+
+
+def run_args(runs: list[tuple[str, str]], critic_dir: str, vision_critic_dir: str) -> str:
+    """verl_worker batch's JSON for these runs: the vision runs on the vision critic."""
     import json
 
+    return json.dumps([[check, vision_critic_dir if check == "vision" else critic_dir, backend]
+                       for check, backend in runs])
+
+
+@pytest.fixture(scope="module")
+def single_process_parity(critic_dir, vision_critic_dir, tmp_path_factory) -> dict:
+    """The one-process runs (worker_runs), every backend's one after another in one verl-overlay
+    process (one interpreter start for all): {(check, backend): its result}."""
     runs = worker_runs(1)
-    results = run_check("batch", tmp_path_factory.mktemp("parity"),
-                        json.dumps([[check, critic_dir, backend] for check, backend in runs]))
+    results = run_check("batch", tmp_path_factory.mktemp("parity"), run_args(runs, critic_dir, vision_critic_dir))
     return dict(zip(runs, results))
 
 
 @pytest.fixture(scope="module")
-def two_process_parity(critic_dir, tmp_path_factory) -> dict:
+def two_process_parity(critic_dir, vision_critic_dir, tmp_path_factory) -> dict:
     """The two-process runs (worker_runs) one after another in one torchrun of two verl-overlay
     processes (each run's engine closed before the next: megatron keeps one layout per process):
     {(check, backend): the per-rank results}."""
-    import json
-
     runs = worker_runs(2)
     out = tmp_path_factory.mktemp("parity2") / "parity.pt"
     command = torchrun_command(2, "critic_adapters.tests.verl.verl_worker", "batch", str(out),
-                               json.dumps([[check, critic_dir, backend] for check, backend in runs]))
+                               run_args(runs, critic_dir, vision_critic_dir))
     result = subprocess.run(command, env=overlay_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{runs} on 2 failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     ranks = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(2)]
@@ -169,7 +186,7 @@ def two_process_parity(critic_dir, tmp_path_factory) -> dict:
 
 
 def run_parity(backend: str, processes: int, request, check: str = "parity") -> list[dict]:
-    """verl_worker CHECK (parity or value_mask) on each process: the per-rank results."""
+    """verl_worker CHECK (parity, value_mask or vision) on each process: the per-rank results."""
     if processes == 1:
         return [request.getfixturevalue("single_process_parity")[check, backend]]
     assert processes == 2, processes
@@ -239,6 +256,47 @@ def test_a_value_mask_in_verls_batch_trains_as_that_response_mask(backend, proce
         # A value_mask outside response_mask (one token, on the last rank's rows only) is refused on every rank.
         assert result["errors"]["outside"].startswith("value_mask marks 1 token(s) outside response_mask"), result["errors"]
         assert result["errors"]["shape"].startswith("value_mask must have response_mask's layout"), result["errors"]
+
+
+@pytest.mark.parametrize("backend,processes", VISION_RUNS, ids=[f"{b}-{n}" for b, n in VISION_RUNS])
+def test_a_vision_critic_reads_the_images_in_verls_batch(backend, processes, vision_critic_dir, request):
+    """issue 43: multi_modal_inputs in verl's batch (its non_tensor_batch key, one dict per row, with
+    [4, T] Qwen-VL position ids and verl's images_seqlens) reach our engine with their rows, through
+    verl's fixed and dynamic (regrouped) micro-batches and its v1 layout: the values are our engine's
+    compute_values on the same rows with those images, and transformers' own forward of each row;
+    zeroed pixels change the image rows' values only; each update equals our engine's update."""
+    from types import SimpleNamespace
+
+    from critic_adapters.common.engine import shift_to_tokens
+    from critic_adapters.common.testdata.vision import transformers_values
+
+    for result in run_parity(backend, processes, request, check="vision"):
+        verl, ours, tensors = result["verl"], result["ours"], result["tensors"]
+        response = tensors["response_mask"].bool()
+        width = tensors["prompts"].shape[1]
+        images = [{k: v for k, v in row.items() if k != "images_seqlens"} for row in result["images"]]
+        rows = SimpleNamespace(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
+                               multi_modal_inputs=images)
+        reference = shift_to_tokens(transformers_values(vision_critic_dir, rows))[:, width:]
+        assert (verl["before"] - reference)[response].abs().max() < 1e-4
+        for values in ("before", "after", "v1_after"):
+            assert torch.allclose(verl[values][response], ours[values][response], atol=1e-5), \
+                (values, (verl[values] - ours[values])[response].abs().max())
+        # verl's dynamic micro-batches (two) regroup the rows by length; the images go with their rows.
+        groups = result["dynamic_groups"]
+        assert len(groups) == 2 and sorted(sum(groups, [])) == list(range(len(images))), groups
+        if processes == 1:
+            assert groups != [[0, 1], [2, 3]], groups  # not verl's fixed micro-batches
+        assert torch.allclose(verl["dynamic"][response], verl["before"][response], atol=1e-5)
+        # Zeroed pixels: the image rows' values change, a text row's do not.
+        blind = (verl["zeroed"] - verl["before"]).abs().amax(-1)
+        assert all(blind[row] > 1e-2 if images[row] else blind[row] < 1e-5 for row in range(len(images))), blind
+        # One train_mini_batch (padded), then one in the v1 layout: our engine's two updates on the same rows.
+        for metrics in ("metrics", "v1_metrics"):
+            assert float(verl[metrics]["critic/vf_loss"][0]) == pytest.approx(ours[metrics]["value_loss"], rel=1e-5)
+            assert float(verl[metrics]["grad_norm"][0]) == pytest.approx(ours[metrics]["grad_norm"], rel=1e-5)
+        assert torch.allclose(verl["v1_values"], verl["after"][:, :verl["v1_values"].shape[1]], atol=1e-6)
+        assert (verl["after"] - verl["before"])[response].abs().max() > 1e-3  # the step moved the critic
 
 
 def readme_verl_section() -> str:

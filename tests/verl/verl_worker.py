@@ -13,6 +13,9 @@ CHECK:
                              with response_mask replaced by response_mask & value_mask (parity's
                              critic and batch, a fresh worker each), padded then in the v1 layout;
                              the errors for a value_mask outside response_mask or of another layout
+  vision MODEL_DIR BACKEND    a Qwen-VL critic with multi_modal_inputs in verl's batch (padded and
+                             v1 layouts, fixed and dynamic micro-batches, the pixels zeroed): values
+                             and one train_mini_batch each, and the same through our engine directly
   resume MODEL_DIR BACKEND WORKDIR   a step, save_checkpoint, a step; a new worker loads the
                              checkpoint and takes the same step
   formats DIR...             per critic directory: our engine's values through verl's infer_batch
@@ -55,6 +58,7 @@ if "RANK" not in os.environ:  # not under torchrun: a world of one (what verl's 
 os.environ.update(VERL_ENGINE_DEVICE="cuda", VERL_USE_EXTERNAL_PLUGINS="none")
 warnings.filterwarnings("ignore")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import critic_adapters.integrations.verl as ours  # noqa: E402  (registers the engine; CPU platform)
@@ -105,9 +109,8 @@ def offload_keys(backend: str) -> dict[str, bool]:
             "optimizer_offload": "offload" in parts or "optoffload" in parts}
 
 
-def make_worker(model_dir: str, backend: str) -> TrainingWorker:
-    """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours
-    ('fsdp', 'veomni', 'megatron', 'megatron-tp2', 'fsdp-sp2'; offload suffixes: offload_keys), after reset()."""
+def verl_configs(model_dir: str, backend: str) -> tuple:
+    """verl's (model, engine, optimizer) configs of make_worker's critic on `backend`."""
     if backend == "verl-fsdp2":
         engine = FSDPEngineConfig(strategy="fsdp2", **ENGINE_FIELDS)
     else:
@@ -118,9 +121,15 @@ def make_worker(model_dir: str, backend: str) -> TrainingWorker:
             **ENGINE_FIELDS)
     model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
                           enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"})
+    return model, engine, FSDPOptimizerConfig(lr=LR, total_training_steps=10, clip_grad=1.0, weight_decay=0.0)
+
+
+def make_worker(model_dir: str, backend: str) -> TrainingWorker:
+    """verl's TrainingWorker on `backend`: 'verl-fsdp2' (verl's own engine) or one of ours
+    ('fsdp', 'veomni', 'megatron', 'megatron-tp2', 'fsdp-sp2'; offload suffixes: offload_keys), after reset()."""
+    model, engine, optimizer = verl_configs(model_dir, backend)
     worker = TrainingWorker(TrainingWorkerConfig(
-        model_type="value_model", model_config=model, engine_config=engine,
-        optimizer_config=FSDPOptimizerConfig(lr=LR, total_training_steps=10, clip_grad=1.0, weight_decay=0.0),
+        model_type="value_model", model_config=model, engine_config=engine, optimizer_config=optimizer,
         checkpoint_config=CheckpointConfig()))
     worker.reset()
     worker.set_loss_fn(partial(value_loss, config=CRITIC))
@@ -155,26 +164,37 @@ def share_rows(data_parallel: int | None = None) -> slice:
     return slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
 
 
-def verl_batch(tensors: dict, extra: dict | None = None):
-    data = DataProto.from_dict(tensors={**tensors, **(extra or {})}, meta_info={"temperature": 1.0})
+def verl_batch(tensors: dict, extra: dict | None = None, images: list | None = None):
+    """verl's critic batch: a DataProto of these tensors, with the rows' images (one dict or None per
+    row) as its non_tensor_batch's multi_modal_inputs, through left_right_2_no_padding."""
+    non_tensors = None
+    if images is not None:
+        column = np.empty(len(images), dtype=object)  # one dict per row, as verl's rollout stores them
+        column[:] = images
+        non_tensors = {"multi_modal_inputs": column}
+    data = DataProto.from_dict(tensors={**tensors, **(extra or {})}, non_tensors=non_tensors,
+                               meta_info={"temperature": 1.0})
     return left_right_2_no_padding(data.to_tensordict())
 
 
-def infer(worker, tensors) -> torch.Tensor | None:
+def infer(worker, tensors, images: list | None = None, max_token_len: int | None = None) -> torch.Tensor | None:
     """The critic's values for the responses, [B, R], as verl's trainer reads them (_compute_values);
-    None on a rank verl does not collect outputs from (a tensor-parallel peer)."""
-    td = verl_batch(tensors)
+    None on a rank verl does not collect outputs from (a tensor-parallel peer). max_token_len: verl's
+    dynamic micro-batches (use_dynamic_bsz) of at most that many tokens, rows regrouped by length."""
+    td = verl_batch(tensors, images=images)
     tu.assign_non_tensor(td, compute_loss=False)
+    if max_token_len is not None:
+        tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len)
     output = worker.infer_batch(td)
     if output is None:
         return None
     return no_padding_2_padding(tu.get(output, "values"), td).float() * tensors["response_mask"]
 
 
-def train(worker, tensors, old_values, returns, extra: dict | None = None) -> dict:
+def train(worker, tensors, old_values, returns, extra: dict | None = None, images: list | None = None) -> dict:
     """One update on the whole batch (verl's _update_critic: train_mini_batch), `extra` keys added
     to it; its metrics."""
-    td = verl_batch(tensors, {"values": old_values, "returns": returns, **(extra or {})})
+    td = verl_batch(tensors, {"values": old_values, "returns": returns, **(extra or {})}, images)
     tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False})
     output = worker.train_mini_batch(td)
@@ -184,19 +204,25 @@ def train(worker, tensors, old_values, returns, extra: dict | None = None) -> di
     return {key: value for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
 
 
-def v1_batch(tensors: dict, old_values=None, returns=None, value_mask=None, value_mask_as: str = "key"):
+def v1_batch(tensors: dict, old_values=None, returns=None, value_mask=None, value_mask_as: str = "key",
+             images: list | None = None):
     """The same rows in the layout of verl's v1 trainer (its default, trainer.use_v1): every
     per-sample field nested, responses' values and returns nested over their tokens, no
     attention_mask. A value_mask ([B, R]) goes in nested the same way, as the key value_mask
-    (value_mask_as="key") or as response_mask and loss_mask themselves ("response_mask")."""
+    (value_mask_as="key") or as response_mask and loss_mask themselves ("response_mask"). Images:
+    each row's multi_modal_inputs, as verl's v1 agent loop stores them per row."""
     rows = []
+    prompt_width = tensors["prompts"].shape[1]
     for i in range(tensors["input_ids"].shape[0]):
         valid = tensors["attention_mask"][i].bool()
-        prompt, response = int(valid[:P].sum()), int(tensors["response_mask"][i].sum())
+        prompt, response = int(valid[:prompt_width].sum()), int(tensors["response_mask"][i].sum())
         ids = tensors["input_ids"][i][valid]
         row = {"prompts": ids[:prompt], "responses": ids[prompt:], "input_ids": ids,
-               "position_ids": torch.arange(ids.numel()), "response_mask": torch.ones(response, dtype=torch.long),
+               "position_ids": tensors["position_ids"][i][..., valid],  # 0..n-1 (text), or [4, n] (Qwen-VL)
+               "response_mask": torch.ones(response, dtype=torch.long),
                "loss_mask": torch.ones(response, dtype=torch.long)}
+        if images is not None:
+            row["multi_modal_inputs"] = images[i]
         if old_values is not None:
             row.update(values=old_values[i, :response], returns=returns[i, :response])
         if value_mask is not None:
@@ -208,14 +234,14 @@ def v1_batch(tensors: dict, old_values=None, returns=None, value_mask=None, valu
     return td
 
 
-def v1_step(worker, tensors, old_values, returns, **masks) -> tuple[torch.Tensor | None, dict | None]:
+def v1_step(worker, tensors, old_values, returns, **keys) -> tuple[torch.Tensor | None, dict | None]:
     """verl's v1 trainer's critic calls on `tensors`: values ([B, R], read back with verl's own
-    no_padding_2_padding) and one train_mini_batch's metrics (masks: v1_batch's value_mask keys)."""
-    td = v1_batch(tensors, **masks)
+    no_padding_2_padding) and one train_mini_batch's metrics (keys: v1_batch's value_mask keys, images)."""
+    td = v1_batch(tensors, **keys)
     tu.assign_non_tensor(td, compute_loss=False)
     output = worker.infer_batch(td)
     values = None if output is None else no_padding_2_padding(tu.get(output, "values"), td).float()
-    td = v1_batch(tensors, old_values, returns, **masks)
+    td = v1_batch(tensors, old_values, returns, **keys)
     tu.assign_non_tensor(td, global_batch_size=B, mini_batch_size=B, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False})
     output = worker.train_mini_batch(td)
@@ -308,6 +334,104 @@ def value_mask(model_dir: str, backend: str) -> dict:
             out["errors"] = errors
         worker.engine.engine.close()
         del worker
+    return out
+
+
+# The vision check's rows: each prompt's images (grids t, h, w in patches), a text-only row among them.
+VISION_LAYOUT = [[(1, 4, 4)], [(1, 2, 4), (1, 2, 2)], [], [(1, 2, 2)]]
+
+
+def vision_batch(model_dir: str, seed: int = 3) -> tuple[dict, torch.Tensor, list]:
+    """(tensors, returns [B, R], images) of a Qwen-VL critic's batch as verl's trainer hands it:
+    prompts with the processor's expanded image placeholders (left-padded), text responses
+    (right-padded), position_ids [B, 4, T] (verl's layout: text positions, then the multimodal rope's
+    t/h/w from the family's get_rope_index), and per row the processor's tensors ({} for the text
+    row) with the images_seqlens key verl's agent loop adds for its FLOPs count."""
+    from critic_adapters.common.testdata.vision import image_row
+    from critic_adapters.common.valuehead.multimodal import sequence_positions
+
+    critic, _ = load_critic(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    prompts, images = [], []
+    for grids in VISION_LAYOUT:
+        ids, row = image_row(critic.config, grids, before=2, after=3, generator=g)
+        prompts.append(ids)
+        if row is not None:
+            grid = row["image_grid_thw"]
+            row["images_seqlens"] = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+        images.append(row or {})
+    response_lens = [6, 2, 4, 5]
+    width = max(ids.numel() for ids in prompts)
+    input_ids = torch.zeros(B, width + R, dtype=torch.long)
+    attention = torch.zeros(B, width + R, dtype=torch.long)
+    for i, (ids, r) in enumerate(zip(prompts, response_lens)):
+        input_ids[i, width - ids.numel():width] = ids
+        input_ids[i, width:width + r] = torch.randint(3, 900, (r,), generator=g)
+        attention[i, width - ids.numel():width + r] = 1
+    positions = torch.zeros(B, 4, width + R, dtype=torch.long)
+    positions[:, 0] = (attention.cumsum(-1) - 1).clamp(min=0)
+    for i in range(B):
+        valid = attention[i].bool()
+        positions[i, 1:, valid] = sequence_positions(critic, input_ids[i][valid], images[i])
+    returns = torch.randn(B, R, generator=g) * attention[:, width:]
+    tensors = {"prompts": input_ids[:, :width], "responses": input_ids[:, width:], "input_ids": input_ids,
+               "attention_mask": attention, "position_ids": positions, "response_mask": attention[:, width:].clone()}
+    return tensors, returns, images
+
+
+def vision(model_dir: str, backend: str) -> dict:
+    """A Qwen-VL critic in verl's slot with multi_modal_inputs in verl's batch (this rank's share of
+    vision_batch): values through infer_batch (verl's fixed micro-batches, its dynamic ones, the
+    pixels zeroed), one train_mini_batch and the values after it, then the v1 layout's values and
+    step; and the same through our engine directly (built from the config verl's keys map to):
+    compute_values, update, compute_values, update (the v1 step's), on the same rows and images."""
+    from critic_adapters.common.engine import RolloutBatch, shift_to_tokens
+    from critic_adapters.common.engine.registry import build_engine
+    from critic_adapters.common.parallel.distributed import init_distributed
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    tensors, returns, images = vision_batch(model_dir)
+    longest = int(tensors["attention_mask"].sum(-1).max())  # over every rank's rows: verl's dynamic limit is global
+    share = share_rows()  # this rank's rows, as verl's dispatch hands them; each with its images
+    tensors, returns, images = {k: v[share] for k, v in tensors.items()}, returns[share], images[share]
+    width = tensors["prompts"].shape[1]
+    ids, mask, response = tensors["input_ids"], tensors["attention_mask"], tensors["response_mask"]
+    zeroed = [dict(row, pixel_values=row["pixel_values"] * 0) if row else row for row in images]
+    # verl's dynamic micro-batches of these rows (two, regrouped by length: what infer_batch splits them into)
+    max_tokens = max(longest, (int(mask.sum()) + 1) // 2)
+    td = verl_batch(tensors, images=images)
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens)
+    _, groups = prepare_micro_batches(data=td, same_micro_num_in_dp=True)
+    out = {"tensors": tensors, "returns": returns, "images": images, "dynamic_groups": groups}
+
+    worker = make_worker(model_dir, backend)
+    before = infer(worker, tensors, images)
+    out["verl"] = {"before": before, "zeroed": infer(worker, tensors, zeroed),
+                   "dynamic": infer(worker, tensors, images, max_token_len=max_tokens)}
+    old = before.clone()
+    out["verl"]["metrics"] = train(worker, tensors, old, returns, images=images)
+    out["verl"]["after"] = infer(worker, tensors, images)
+    out["verl"]["v1_values"], out["verl"]["v1_metrics"] = v1_step(worker, tensors, old, returns, images=images)
+    out["verl"]["v1_after"] = infer(worker, tensors, images)
+    worker.engine.engine.close()
+    del worker
+
+    def whole(per_response: torch.Tensor) -> torch.Tensor:  # [B, R] on the response tokens -> [B, T]
+        full = torch.zeros(ids.shape, dtype=per_response.dtype)
+        full[:, width:] = per_response
+        return full
+
+    def responses(values: torch.Tensor) -> torch.Tensor:  # [B, T] unshifted -> [B, R], as verl reads them
+        return shift_to_tokens(values)[:, width:] * response
+
+    _, config = ours.engine_config_from_verl(*verl_configs(model_dir, backend))
+    engine = build_engine(backend.partition("-")[0], config, init_distributed())
+    images = [{key: value for key, value in row.items() if key != "images_seqlens"} for row in images]  # verl's own
+    step = RolloutBatch(ids, mask, whole(response), whole(old), whole(returns), multi_modal_inputs=images)
+    out["ours"] = {"before": responses(engine.compute_values(ids, mask, images)), "metrics": engine.update(step),
+                   "after": responses(engine.compute_values(ids, mask, images)), "v1_metrics": engine.update(step),
+                   "v1_after": responses(engine.compute_values(ids, mask, images))}
+    engine.close()
     return out
 
 
@@ -420,8 +544,8 @@ def yaml(readme_yaml: str, *overrides: str) -> dict:
             "path": mapped.model.path}
 
 
-CHECKS = {"parity": parity, "value_mask": value_mask, "resume": resume, "formats": formats, "config": config,
-          "yaml": yaml}
+CHECKS = {"parity": parity, "value_mask": value_mask, "vision": vision, "resume": resume, "formats": formats,
+          "config": config, "yaml": yaml}
 
 
 def main():

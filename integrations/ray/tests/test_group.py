@@ -1,7 +1,8 @@
 """RayCriticGroup on a local Ray cluster of this machine (2 actors, CPU, gloo): the same values as
-an in-process engine, the same update as the 2-rank torchrun engine, checkpoints that a new group
-continues bit-identically, megatron at TP 2 across the actors, a host's placement group shared with
-its actors between phases (and its partly taken bundles refused within startup_timeout_s), the whole engine contract
+an in-process engine, the same update as the 2-rank torchrun engine, a vision-language critic's
+images going with their rows, checkpoints that a new group continues bit-identically, megatron at
+TP 2 across the actors, a host's placement group shared with its actors between phases (and its
+partly taken bundles refused within startup_timeout_s), the whole engine contract
 (common.engine.CriticEngine) with the step in pieces equal to one engine's, and faults (a killed
 actor, NaN returns) that end in a clear error on the driver, never a hang."""
 
@@ -116,6 +117,59 @@ def test_values_and_one_update_equal_the_engines(ray_cluster, models, batch_file
     assert metrics["value_loss"] == pytest.approx(reference["value_loss"], abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
     assert metrics["valid_tokens"] == reference["valid_tokens"]  # rank 0's share, as the torchrun job logs it
+
+
+@pytest.fixture(scope="module")
+def vision_critic(tmp_path_factory) -> str:
+    from critic_adapters.common.testdata.vision import save_vision_critic
+
+    return save_vision_critic("qwen2_vl", str(tmp_path_factory.mktemp("ray_vision") / "critic"))
+
+
+def test_a_vision_critics_images_go_with_their_rows_to_the_actors(ray_cluster, vision_critic):
+    """A qwen2_vl critic with images (several per row, a text-only row, a left-padded row) through 2
+    actors: the shares are balanced with the image patches counted, each actor's rows take their
+    images; values (compute_values and forward_backward) equal transformers' own forward of each row
+    and an in-process engine's; one update equals that engine's (loss, grad norm, values after)."""
+    from critic_adapters.common.engine import shift_to_tokens
+    from critic_adapters.common.engine.registry import build_engine
+    from critic_adapters.common.parallel.batching import data_parallel_shares
+    from critic_adapters.common.parallel.distributed import init_distributed
+    from critic_adapters.common.valuehead.multimodal import vision_patches
+    from critic_adapters.integrations.ray import RayCriticGroup
+    from critic_adapters.common.testdata.vision import transformers_values
+    from critic_adapters.tests.vision_worker import vision_rollout
+
+    batch, config = vision_rollout("qwen2_vl", 0), engine_config(vision_critic)
+    ids, mask, images = batch.input_ids, batch.attention_mask, batch.multi_modal_inputs
+    real = mask.bool()
+    expected = transformers_values(vision_critic, batch)
+    shares = data_parallel_shares(mask, 2, vision_patches(images, ids.shape[0]))
+    assert [s.tolist() for s in shares] != [s.tolist() for s in data_parallel_shares(mask, 2)]  # the patches count
+    engine = build_engine("fsdp", config, init_distributed())
+    try:
+        with RayCriticGroup("fsdp", config, num_workers=2) as group:
+            values = group.compute_values(ids, mask, images)
+            assert (values - expected)[real].abs().max() < 1e-4, (values - expected)[real].abs().max()
+            assert values[~real].abs().max() == 0
+            alone = engine.compute_values(ids, mask, images)
+            assert torch.allclose(values[real], alone[real], atol=1e-5), (values - alone)[real].abs().max()
+            # Each actor's rows (every actor called: the engines check the images together).
+            answers = ray_cluster.get([actor.compute_values.remote(ids, mask, images) for actor in group.actors])
+            assert [rows.tolist() for rows, _ in answers] == [s.tolist() for s in shares]
+            pieces, no_loss = group.forward_backward(ids, mask, None, images)
+            assert no_loss is None and torch.allclose(pieces[real], values[real], atol=1e-5)
+            step = RolloutBatch(ids, mask, batch.response_mask, shift_to_tokens(values) * batch.response_mask,
+                                batch.returns, multi_modal_inputs=images)
+            ours, reference = group.update(ray_cluster.put(step)), engine.update(step)
+            after = group.compute_values(ids, mask, images)
+        for key in ("value_loss", "grad_norm", "explained_variance"):
+            assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
+        expected_after = engine.compute_values(ids, mask, images)
+        assert torch.allclose(after[real], expected_after[real], atol=1e-4), (after - expected_after)[real].abs().max()
+        assert (after - values)[real].abs().max() > 1e-3  # the step moved the critic
+    finally:
+        engine.close()
 
 
 def test_a_new_group_continues_from_a_checkpoint_bit_identically(ray_cluster, models, batch_file, tmp_path):
