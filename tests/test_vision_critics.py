@@ -16,6 +16,7 @@ from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.learning.loss import value_loss
 from critic_adapters.common.testdata import VLM_FAMILIES
 from critic_adapters.common.testdata.vision import save_vision_critic, transformers_values
+from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_torchrun, worker_env
 from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.tests.vision_worker import LR, engine_config, vision_rollout
@@ -159,3 +160,7 @@ def test_the_machinery_with_images(run):
         assert (o["lora_before"] - results[family][rank]["values_packed"]).abs().max() < 1e-6
         assert o["lora_trainable"] and not [n for n in o["lora_trainable"] if ".visual." in n]
         assert o["ulysses"] is not None and "ulysses > 1 is not supported for a vision-language critic" in o["ulysses"]
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)

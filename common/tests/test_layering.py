@@ -2,7 +2,7 @@
 inside functions too): every module sits in one of common's layers (common/__init__.py: LAYERS) and
 imports only its own layer and those below it, no import cycle, the value-head module imports only
 the leaves below it, and nothing in common imports a backend or an integration (the registry knows
-backends by name)."""
+backends by name). And one rule for every test file: it runs its tests when run as a script."""
 
 import ast
 import os
@@ -148,3 +148,19 @@ def test_common_imports_no_backend_and_no_integration():
 
 if __name__ == "__main__":
     run_pytest(__file__)
+
+
+def test_every_test_file_runs_its_tests_when_run_as_a_script():
+    """Bazel runs a test file as a script (tools/bazel/defs.bzl: main = the file): without the
+    run_pytest(__file__) block it would define its tests, run none and pass (tests/test_vision_critics.py
+    once did)."""
+    root = os.path.dirname(COMMON)
+    missing = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "bazel-")) and d not in ("consumer_workspace", "__pycache__")]
+        for file in files:
+            if file.startswith("test_") and file.endswith(".py"):
+                with open(os.path.join(folder, file)) as f:
+                    if "run_pytest(__file__" not in f.read():
+                        missing.append(os.path.relpath(os.path.join(folder, file), root))
+    assert not missing, f"test files that run nothing as a script: {missing}"
