@@ -1,5 +1,5 @@
-"""A vision-language critic's update with images: packed against padded micro-batches, on fsdp and VeOmni,
-side by side in one 2-rank run per backend (tokens per second of the update, and their ratios).
+"""A vision critic's update with images, packed against padded, on fsdp and VeOmni: tokens per second
+and their ratios, side by side in one run of two ranks per backend.
 
   python -m critic_adapters.bench.vision [--repeats 5] [--rows 16] [--backends fsdp veomni] [--out FILE.json]
   bazel run //bench:vision -- ...
