@@ -24,31 +24,33 @@ from critic_adapters.tests.vision_worker import LR, engine_config, vision_rollou
 BACKENDS = ("fsdp", "veomni")
 
 
-_ROOT: list = []
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
     for family in VLM_FAMILIES:
         save_vision_critic(family, str(root / family / "critic"))
-    _ROOT[:] = [root]
     return root
 
 
 _RUNS: dict = {}
 
 
-@pytest.fixture(scope="module", params=[(b, n) for b in BACKENDS for n in (1, 2)], ids=lambda p: f"{p[0]}-{p[1]}")
-def run(request, root):
-    """(backend, ranks, {family: [result of each rank]}) of one torchrun over every family."""
-    backend, ranks = request.param
-    if request.param not in _RUNS:
+def _results(backend: str, ranks: int, root) -> dict:
+    """{family: [result of each rank]} of one torchrun over every family (once per module); on two
+    ranks the worker also leaves the machinery's results (machinery{rank}.pt)."""
+    if (backend, ranks) not in _RUNS:
         run_torchrun(ranks, "critic_adapters.tests.vision_worker", backend, str(root), *VLM_FAMILIES,
                      env=worker_env(PYTHONWARNINGS="ignore"))
-        _RUNS[request.param] = {family: [torch.load(root / family / f"result{r}.pt") for r in range(ranks)]
-                                for family in VLM_FAMILIES}
-    return backend, ranks, _RUNS[request.param]
+        _RUNS[backend, ranks] = {family: [torch.load(root / family / f"result{r}.pt") for r in range(ranks)]
+                                 for family in VLM_FAMILIES}
+    return _RUNS[backend, ranks]
+
+
+@pytest.fixture(scope="module", params=[(b, n) for b in BACKENDS for n in (1, 2)], ids=lambda p: f"{p[0]}-{p[1]}")
+def run(request, root):
+    """(backend, ranks, {family: [result of each rank]})."""
+    backend, ranks = request.param
+    return backend, ranks, _results(backend, ranks, root)
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
@@ -127,17 +129,16 @@ def test_the_export_reads_back_with_the_same_values_and_the_familys_backbone_key
     assert keys - {"score.weight", "score.bias"} == expected  # the backbone reads back whole, nothing left over
 
 
-def test_the_machinery_with_images(run):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_machinery_with_images(root, backend):
     """Two ranks, the first family: HSDP steps as plain data parallel; gradient checkpointing with the
     vision tower frozen (after an offload cycle) trains all but the tower, and a checkpoint resumes
     its next step bit-identically; LoRA starts from the plain critic's values and never adapts the
     vision tower; Ulysses is refused by name at build."""
-    backend, ranks, results = run
-    if ranks != 2:
-        pytest.skip("the machinery runs on two ranks")
+    ranks = 2
+    results = _results(backend, ranks, root)
     family = VLM_FAMILIES[0]
-    root_dir = _ROOT[0] / family
-    out = [torch.load(root_dir / f"machinery{r}.pt") for r in range(ranks)]
+    out = [torch.load(root / family / f"machinery{r}.pt") for r in range(ranks)]
     # Rank 1 with its text row only, then with no rows, beside rank 0's images: the values of a row do
     # not depend on what the other rank passes (the first step had moved the critic, so compare
     # with the critic after it: rank 0's rows are those of the plain run).

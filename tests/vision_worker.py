@@ -57,11 +57,8 @@ def run(dist, backend: str, root: str, family: str) -> None:
     result["values_padded"] = padded.compute_values(batch.input_ids, batch.attention_mask, images)
     padded.close()
     engine = build_engine(backend, engine_config(model_dir), dist)
-    values = engine.compute_values(batch.input_ids, batch.attention_mask, images)
-    result["values_packed"] = values
     result["pieces"], _ = engine.forward_backward(batch.input_ids, batch.attention_mask, None, images)
-    step = RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
-                        shift_to_tokens(values) * batch.response_mask, batch.returns, multi_modal_inputs=images)
+    result["values_packed"], step = _step(engine, batch)
     result["metrics"] = engine.update(step)
     result["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask, images)
     engine.export_hf(os.path.join(work, f"export{dist.world_size}"))
@@ -69,11 +66,12 @@ def run(dist, backend: str, root: str, family: str) -> None:
     torch.save(result, os.path.join(work, f"result{dist.rank}.pt"))
 
 
-def _step(engine, batch: RolloutBatch) -> RolloutBatch:
+def _step(engine, batch: RolloutBatch) -> tuple:
+    """(the critic's values on the batch, the batch with them as its old values)."""
     values = engine.compute_values(batch.input_ids, batch.attention_mask, batch.multi_modal_inputs)
-    return RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
-                        shift_to_tokens(values) * batch.response_mask, batch.returns,
-                        multi_modal_inputs=batch.multi_modal_inputs)
+    return values, RolloutBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                shift_to_tokens(values) * batch.response_mask, batch.returns,
+                                multi_modal_inputs=batch.multi_modal_inputs)
 
 
 def _tower(engine) -> dict:
@@ -91,7 +89,7 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out = {}
     base = engine_config(model_dir)
     plain = build_engine(backend, base, dist)
-    out["plain"] = plain.update(_step(plain, batch))
+    out["plain"] = plain.update(_step(plain, batch)[1])
     out["plain_values"] = plain.compute_values(batch.input_ids, batch.attention_mask, images)
     # Ranks with and without images in one call: rank 1 passes its text row only, then no rows at all
     # (the vision tower is an FSDP unit: every rank must run it as often).
@@ -99,10 +97,10 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out["mixed_values"] = plain.compute_values(mixed.input_ids, mixed.attention_mask, mixed.multi_modal_inputs)
     empty = batch if dist.rank == 0 else batch.select([])
     out["empty_values"] = plain.compute_values(empty.input_ids, empty.attention_mask, empty.multi_modal_inputs)
-    out["mixed_update"] = plain.update(_step(plain, mixed))
+    out["mixed_update"] = plain.update(_step(plain, mixed)[1])
     plain.close()
     hsdp = build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(replicate=2)), dist)
-    out["hsdp"] = hsdp.update(_step(hsdp, batch))
+    out["hsdp"] = hsdp.update(_step(hsdp, batch)[1])
     out["hsdp_values"] = hsdp.compute_values(batch.input_ids, batch.attention_mask, images)
     hsdp.close()
     frozen_config = dataclasses.replace(base, gradient_checkpointing=True, transforms=["freeze_vision"])
@@ -110,7 +108,7 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     tower_before = _tower(frozen)
     frozen.offload()
     frozen.onload()
-    out["frozen"] = frozen.update(_step(frozen, batch))
+    out["frozen"] = frozen.update(_step(frozen, batch)[1])
     tower_after = _tower(frozen)
     out["tower_unchanged"] = bool(tower_before) and all(torch.equal(tower_before[n], tower_after[n])
                                                         for n in tower_before)
@@ -118,17 +116,17 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out["counts"] = frozen.parameter_counts()
     checkpoint = os.path.join(work, "checkpoint")
     frozen.save_checkpoint(checkpoint, {"step": 1})
-    out["next"] = frozen.update(_step(frozen, batch))
+    out["next"] = frozen.update(_step(frozen, batch)[1])
     out["next_values"] = frozen.compute_values(batch.input_ids, batch.attention_mask, images)
     frozen.close()
     resumed = build_engine(backend, frozen_config, dist)
     resumed.load_checkpoint(checkpoint)
-    out["resumed"] = resumed.update(_step(resumed, batch))
+    out["resumed"] = resumed.update(_step(resumed, batch)[1])
     out["resumed_values"] = resumed.compute_values(batch.input_ids, batch.attention_mask, images)
     resumed.close()
     lora = build_engine(backend, dataclasses.replace(base, lora=LoRAConfig(rank=4, alpha=8.0)), dist)
     out["lora_before"] = lora.compute_values(batch.input_ids, batch.attention_mask, images)
-    out["lora"] = lora.update(_step(lora, batch))
+    out["lora"] = lora.update(_step(lora, batch)[1])
     out["lora_trainable"] = sorted(n for n, p in lora.model.named_parameters() if p.requires_grad)
     lora.close()
     try:

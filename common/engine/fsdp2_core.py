@@ -66,8 +66,7 @@ from ..valuehead.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, TensorSpec
 from ..valuehead.save import write_critic
 from ..valuehead.config import critic_class
 from ..valuehead.values import compute_bin_logits, compute_values
-from .images import NONE as NO_IMAGES, ULYSSES_REFUSAL, Images, checked_images, lay_out_images
-from ..valuehead.multimodal import is_vision_critic
+from .images import NONE as NO_IMAGES, Images, checked_images, lay_out_images
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -85,9 +84,7 @@ def attention_for(config: EngineConfig, critic_config, dtype: torch.dtype,
     policy's choice for packed or padded rows computed in `dtype`. The attentions of our own are
     registered with transformers."""
     if config.parallel.ulysses > 1:
-        if is_vision_critic(critic_config):
-            raise ValueError(ULYSSES_REFUSAL)
-        ulysses.check_attention(config)
+        ulysses.check_layout(critic_config, config, world_size=None)  # what the launcher checked (a direct build too)
         return kernels.Choice(ulysses.register(), f"Ulysses {config.parallel.ulysses}: heads split across ranks")
     if config.model.attn_implementation is not None:
         kernels.check_explicit_attention(config.model.attn_implementation, dtype)
@@ -206,9 +203,8 @@ class FSDP2Engine(Offloadable):
 
     def _images(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs) -> Images:
         """The rows' images (multimodal.as_rows), checked against their placeholders on every DP rank
-        together (multimodal.check_rows; Ulysses refused)."""
-        return checked_images(self.model.config, input_ids, attention_mask, multi_modal_inputs,
-                              group=self.dp_group, ulysses=self.sp_group is not None)
+        together (multimodal.check_rows; a vision critic never runs with Ulysses: attention_for)."""
+        return checked_images(self.model.config, input_ids, attention_mask, multi_modal_inputs, group=self.dp_group)
 
     @contextlib.contextmanager
     def _replica_reduction(self, *, last: bool):

@@ -9,7 +9,6 @@ import torch
 
 from ..parallel.batching import MicroBatch
 from ..parallel.distributed import all_reduce
-from ..parallel.ulysses import VISION_REFUSAL as ULYSSES_REFUSAL  # noqa: F401 - the engines' name for it
 from ..valuehead import multimodal
 
 
@@ -27,14 +26,12 @@ NONE = Images(None, frozenset())
 
 
 def checked_images(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs, *,
-                   group, ulysses: bool = False) -> Images:
+                   group) -> Images:
     """The rows' images (multimodal.as_rows) after multimodal.check_rows, raised on every rank of
     `group` together (one rank raising alone would leave the others in a collective)."""
     problem, kinds = None, set()
     try:
         rows = multimodal.as_rows(multi_modal_inputs, input_ids.shape[0])
-        if rows is not None and ulysses:
-            raise ValueError(ULYSSES_REFUSAL)
         multimodal.check_rows(config, input_ids, attention_mask, rows)
         kinds = set().union(*(multimodal.media_kinds(row) for row in rows)) if rows is not None else set()
     except ValueError as error:

@@ -82,10 +82,6 @@ def select(rows: Rows | None, index) -> Rows | None:
     return picked if any(picked) else None
 
 
-def to_device(rows: Rows | None, device) -> Rows | None:
-    return None if rows is None else tuple({k: v.to(device) for k, v in row.items()} for row in rows)
-
-
 def vision_patches(rows: Rows | None, batch_size: int) -> list[int]:
     """Per row, the patches its vision tower encodes (images and videos): the vision work a row adds
     to its tokens, for balancing data-parallel shares."""
