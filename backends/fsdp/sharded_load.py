@@ -22,7 +22,7 @@ from ...common.engine.mesh import ParallelMesh
 from ...common.engine.pipeline import build_sharded, parameters_on_meta
 from ...common.engine.transforms import apply_transforms
 from ...common.valuehead import LoadReport, load_critic
-from ...common.valuehead.config import DECLARED_HEAD, critic_class, install_value_head
+from ...common.valuehead.config import DECLARED_HEAD, build_critic
 from ...common.valuehead.attention import per_tower
 from ...common.valuehead.load import plan_load
 
@@ -31,10 +31,8 @@ def _meta_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | No
                  trust_remote_code: bool, head_prefix: str | None, value_head) -> torch.nn.Module:
     """The critic's module tree (what load_critic builds), its parameters with no storage."""
     plan = plan_load(path, head_prefix=head_prefix, trust_remote_code=trust_remote_code, value_head=value_head)
-    cls = critic_class(plan.config)
     with parameters_on_meta():
-        model = cls._from_config(plan.config, attn_implementation=per_tower(plan.config, attn_implementation), dtype=dtype)
-    return install_value_head(model)
+        return build_critic(plan.config, dtype=dtype, attn_implementation=per_tower(plan.config, attn_implementation))
 
 
 def load_sharded_critic(

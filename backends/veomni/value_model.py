@@ -25,7 +25,7 @@ from ...common.engine.registry import backends_for_family
 from ...common.parallel import ulysses
 from ...common.parallel.batching import pack
 from ...common.parallel.packed_attention import sequence_bounds
-from ...common.valuehead.config import architecture_name, critic_class, head_name
+from ...common.valuehead.config import architecture_name, config_in_dtype, critic_class, head_name
 from ...common.valuehead.multimodal import is_vision_critic
 from .vision_critic import BACKBONES, build_vision_critic, is_vision_family
 
@@ -110,13 +110,15 @@ def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_imple
                                       init_device=init_device,
                                       ops_implementation=compat.ops_implementation(attn_implementation, fused_ops))
 
+    # A copy in the dtype asked for: VeOmni writes into it, and a nested backbone build takes config.dtype.
+    critic_cfg = config_in_dtype(critic_cfg, getattr(torch, dtype))
     saved_losses = dict(LOSS_MAPPING)
     try:
         if is_vision_critic(critic_cfg):
             assert weights_path is None, "a vision critic's weights are filled by HF name, not by VeOmni's loader"
             return build_vision_critic(critic_cfg, build_backbone=build, attn_implementation=attn_implementation,
                                        parallel_state=parallel_state)
-        return build(copy.deepcopy(critic_cfg))
+        return build(critic_cfg)
     finally:
         LOSS_MAPPING.clear()
         LOSS_MAPPING.update(saved_losses)

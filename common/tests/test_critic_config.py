@@ -7,7 +7,8 @@ from transformers import AutoModelForTokenClassification, PretrainedConfig
 from critic_adapters.common.testdata import FAMILIES, VLM_FAMILIES, tiny_config
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.valuehead import critic_config
-from critic_adapters.common.valuehead.config import GENERIC_ARCHITECTURE, critic_class, critic_head
+from critic_adapters.common.valuehead.config import (GENERIC_ARCHITECTURE, build_critic, config_in_dtype, critic_class,
+                                                      critic_head)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,6 +38,24 @@ def test_critic_builds_with_a_scalar_head_and_no_dropout(family):
     assert model.dropout.p == 0.0  # the dropout in front of the head
     ids = torch.randint(3, 900, (2, 5))
     assert model(input_ids=ids).logits.shape == (2, 5, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_a_critic_declared_bf16_builds_in_the_dtype_asked_for(family):
+    """issue 53: the checkpoint's declared dtype (bf16, as verl saves) never reaches the build: every
+    config of the copy says the dtype asked for (a nested AutoModel.from_config reads it: transformers
+    < 5.12; tests/test_saved_critics.py runs the engines under one), and the input is untouched."""
+    config = critic_config(tiny_config(family))
+    config.dtype = torch.bfloat16
+    for sub in config.sub_configs:
+        getattr(config, sub).dtype = torch.bfloat16
+    copy = config_in_dtype(config, torch.float32)
+    configs = [copy] + [getattr(copy, sub) for sub in copy.sub_configs]
+    assert [c.dtype for c in configs] == [torch.float32] * len(configs)
+    assert config.dtype == torch.bfloat16
+    with torch.device("meta"):
+        model = build_critic(config, dtype=torch.float32, attn_implementation="sdpa")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_typed_dropout_family_accepts_the_override():

@@ -177,6 +177,40 @@ def critic_config(hf_config: PretrainedConfig, value_head: HLGaussSupport | None
     return config
 
 
+def config_in_dtype(config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConfig:
+    """A copy of `config` with its dtype, and every sub-config's, set to `dtype`.
+
+    A critic class builds its backbone with `AutoModel.from_config(config)`. Before transformers 5.12,
+    `_from_config(config, dtype=...)` left `config.dtype` as the checkpoint declared it, so that nested
+    build took the checkpoint's dtype (bf16, as verl saves critics) over the one asked for: an fp32
+    engine silently computed its backbone in bf16 under an fp32 head."""
+    config = copy.deepcopy(config)
+    pending = [config]
+    while pending:
+        current = pending.pop()
+        current.dtype = dtype
+        pending += [sub for key in current.sub_configs if (sub := getattr(current, key, None)) is not None]
+    return config
+
+
+def build_critic(config: PretrainedConfig, *, dtype: torch.dtype, attn_implementation: str | None
+                 ) -> torch.nn.Module:
+    """The critic module of critic config `config` (its class's own initialisation), every parameter
+    in `dtype` whatever dtype the config declares, under the current device and init contexts (meta
+    builds wrap this). Raises RuntimeError when transformers still builds a parameter in another dtype."""
+    config = config_in_dtype(config, dtype)
+    cls = critic_class(config)
+    model = cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    wrong = [name for name, p in model.named_parameters() if p.is_floating_point() and p.dtype != dtype]
+    if wrong:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} built {len(wrong)} parameters of {cls.__name__} "
+                           f"in another dtype than {dtype} (e.g. {wrong[:3]}): this transformers version is not "
+                           f"supported (README.md, 'Supported versions')")
+    return install_value_head(model)
+
+
 def install_value_head(model: torch.nn.Module) -> torch.nn.Module:
     """Give a critic built from an HL-Gauss config its HLGaussHead (values from forward, the same
     parameters); a scalar critic is returned as it is. Call right after building the model."""

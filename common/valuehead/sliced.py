@@ -31,7 +31,7 @@ import torch
 from ._quiet import quiet_transformers
 from .attention import per_tower, select_attn_implementation
 from .checkpoint_files import tensor_bytes
-from .config import DECLARED_HEAD, critic_class, critic_head, install_value_head
+from .config import DECLARED_HEAD, build_critic, critic_class, critic_head
 from .errors import CriticLoadError
 from .experts import describe_experts
 from .load import LoadReport, _allowed_missing, check_head_change, head_tensors, plan_load
@@ -146,9 +146,8 @@ class SlicedCritic:
 def meta_critic(config, dtype: torch.dtype, attn: str | None = None) -> torch.nn.Module:
     """The critic load_critic builds for `config` (a critic config), with no storage: its names,
     shapes and module tree."""
-    cls = critic_class(config)
     with torch.device("meta"), quiet_transformers():
-        return install_value_head(cls._from_config(config, attn_implementation=per_tower(config, attn), dtype=dtype))
+        return build_critic(config, dtype=dtype, attn_implementation=per_tower(config, attn))
 
 
 def _expert_stack(converter) -> list[re.Pattern] | None:

@@ -6,6 +6,7 @@ the same weights, a value_mask in verl's batch trains as that response_mask woul
 critic reads the multi_modal_inputs in verl's batch, a checkpoint resumes bit-identically, and critics
 from other formats train there with their heads."""
 
+import json
 import os
 import re
 import subprocess
@@ -19,17 +20,8 @@ from critic_adapters.common.tests import checkpoint_builders as build
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import torchrun_command, worker_env
 from critic_adapters.common.valuehead import load_critic, save_critic
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-OVERLAY = os.environ.get("CRITIC_VERL_OVERLAY", os.path.join(REPO, ".overlays", "verl-0.9.1"))
-
-
-def overlay_env() -> dict:
-    assert os.path.isfile(os.path.join(OVERLAY, ".complete")), (
-        f"missing the verl overlay {OVERLAY}; tools/setup.sh installs it (or set CRITIC_VERL_OVERLAY)")
-    env = worker_env()
-    env["PYTHONPATH"] = os.pathsep.join([OVERLAY, env["PYTHONPATH"]])
-    return env
+from critic_adapters.tests.environments import REPO
+from critic_adapters.tests.environments import verl_overlay_env as overlay_env
 
 
 def run_check(check: str, tmp_path, *args: str) -> dict:
@@ -138,11 +130,23 @@ def held_off_device(backend: str) -> list[str]:
     return sorted(held | ({"optimizer"} if {"offload", "optoffload"} & set(parts) else set()))
 
 
+# The parity check on the critic verl's own engine saved in bf16 (tests/testdata/verl-fsdp2-bf16), verl's
+# transformers: our sharded engines in verl's slot read it as load_critic does (issue 53).
+SAVED_PARITY_RUNS = [("fsdp", 2), ("veomni", 2)]
+VERL_BF16 = os.path.join(REPO, "tests", "testdata", "verl-fsdp2-bf16")
+# verl's own engine saving the critic with hf_model (save_hf), at model_dtype bf16: the committed
+# fixture tests/testdata/verl-fsdp2-bf16 (tests/test_saved_critics.py) must be what it writes.
+SAVE_RUNS = [("bf16", 1)]
+
+
 def worker_runs(processes: int) -> list[tuple[str, str]]:
-    """(check, backend) of verl_worker's runs on `processes` processes: parity, value_mask, vision."""
+    """(check, backend or dtype) of verl_worker's runs on `processes` processes: parity, value_mask,
+    vision, save_hf, parity_saved (parity on VERL_BF16)."""
     return ([("parity", backend) for backend, n in PARITY_RUNS if n == processes]
             + [("value_mask", backend) for backend, n in VALUE_MASK_RUNS if n == processes]
-            + [("vision", backend) for backend, n in VISION_RUNS if n == processes])
+            + [("vision", backend) for backend, n in VISION_RUNS if n == processes]
+            + [("save_hf", dtype) for dtype, n in SAVE_RUNS if n == processes]
+            + [("parity_saved", backend) for backend, n in SAVED_PARITY_RUNS if n == processes])
 
 
 @pytest.fixture(scope="module")
@@ -154,11 +158,18 @@ def vision_critic_dir(tmp_path_factory) -> str:
 
 
 def run_args(runs: list[tuple[str, str]], critic_dir: str, vision_critic_dir: str) -> str:
-    """verl_worker batch's JSON for these runs: the vision runs on the vision critic."""
+    """verl_worker batch's JSON for these runs: the vision runs on the vision critic; save_hf saves
+    the critic into a directory beside it named by the dtype."""
     import json
 
-    return json.dumps([[check, vision_critic_dir if check == "vision" else critic_dir, backend]
-                       for check, backend in runs])
+    def args(check: str, backend: str) -> list[str]:
+        if check == "save_hf":
+            return [check, critic_dir, f"{critic_dir}-saved-by-verl-{backend}", backend]
+        if check == "parity_saved":
+            return ["parity", VERL_BF16, backend]
+        return [check, vision_critic_dir if check == "vision" else critic_dir, backend]
+
+    return json.dumps([args(check, backend) for check, backend in runs])
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +244,20 @@ def test_values_and_one_update_equal_verls_own_engine(backend, processes, reques
             assert ours["metrics"]["critic/vf_clipfrac"] == pytest.approx(verls["metrics"]["critic/vf_clipfrac"], abs=1e-6)
             assert ours["metrics"]["critic/vpred_mean"] == pytest.approx(verls["metrics"]["critic/vpred_mean"], abs=1e-6)
     assert checked == processes // (2 if has_peers(backend) else 1)
+
+
+@pytest.mark.parametrize("backend,processes", SAVED_PARITY_RUNS, ids=[f"{b}-{n}" for b, n in SAVED_PARITY_RUNS])
+def test_a_critic_verl_saved_in_bf16_gives_its_values_in_verls_slot(backend, processes, request):
+    """issue 53: verl's bf16 hf_model save, in verl's environment, through verl's infer_batch on our
+    sharded engine (fp32): load_critic's values, as verl's own engine gives them, and one update as verl's."""
+    for result in run_parity(backend, processes, request, check="parity_saved"):
+        ours, verls = result[backend], result["verl-fsdp2"]
+        for engine in (ours, verls):
+            mask = engine["response_mask"].bool()
+            assert torch.allclose(engine["before"][mask], engine["reference"][mask], atol=1e-5), (
+                (engine["before"][mask] - engine["reference"][mask]).abs().max())
+        for key in ("critic/vf_loss", "grad_norm"):
+            assert float(ours["metrics"][key][0]) == pytest.approx(float(verls["metrics"][key][0]), rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.parametrize("backend,processes", VALUE_MASK_RUNS, ids=[f"{b}-{n}" for b, n in VALUE_MASK_RUNS])
@@ -331,6 +356,31 @@ def single_process_checks(critic_dir, tmp_path_factory):
     out = dict(zip(checks, results))
     out["fixtures"] = fixtures
     return out
+
+
+def test_verl_saves_a_bf16_critic_as_the_committed_fixture(critic_dir, request):
+    """verl's own engine at model_dtype bf16, saving hf_model: the same files, tensor names, shapes and
+    dtypes and the same config as tests/testdata/verl-fsdp2-bf16 (tests/test_saved_critics.py runs it
+    through every engine). When verl or the pins change what it writes, copy the new
+    <critic>-saved-by-verl-bf16/huggingface over the fixture."""
+    from safetensors import safe_open
+
+    files = request.getfixturevalue("single_process_parity")["save_hf", "bf16"]
+    saved = os.path.join(f"{critic_dir}-saved-by-verl-bf16", "huggingface")
+    fixture = os.path.join(REPO, "tests", "testdata", "verl-fsdp2-bf16")
+    assert sorted(files) == sorted(os.listdir(fixture)) == ["config.json", "model.safetensors"], files
+
+    def layout(directory: str) -> dict:
+        with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+            return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+
+    def config(directory: str) -> dict:
+        with open(os.path.join(directory, "config.json")) as f:
+            return {k: v for k, v in json.load(f).items() if k != "transformers_version"}
+
+    assert layout(saved) == layout(fixture)
+    assert {dtype for dtype, _ in layout(saved).values()} == {"BF16"}
+    assert config(saved) == config(fixture) and config(saved)["dtype"] == "bfloat16"
 
 
 def test_a_checkpoint_saved_through_verl_resumes_bit_identically(single_process_checks):

@@ -18,6 +18,10 @@ CHECK:
                              and one train_mini_batch each, and the same through our engine directly
   resume MODEL_DIR BACKEND WORKDIR   a step, save_checkpoint, a step; a new worker loads the
                              checkpoint and takes the same step
+  save_hf MODEL_DIR OUT_DIR DTYPE   verl's own fsdp2 value-model engine at model_dtype DTYPE (fp32,
+                             bf16) saves the critic with hf_model in its checkpoint contents: the
+                             HF critic verl writes, in OUT_DIR/huggingface (the committed fixture
+                             tests/testdata/verl-fsdp2-bf16 is its bf16 output)
   formats DIR...             per critic directory: our engine's values through verl's infer_batch
                              and our compute_values; one training step
   config MODEL_DIR           verl's configs mapped onto ours, and the settings that are refused
@@ -456,6 +460,21 @@ def resume(model_dir: str, backend: str, workdir: str) -> dict:
     return {"continued": continued, "resumed": resumed, "files": sorted(os.listdir(checkpoint))}
 
 
+def save_hf(model_dir: str, out_dir: str, dtype: str) -> dict:
+    """verl's own engine, built at model_dtype `dtype`, saves the critic with its checkpoint manager's
+    hf_model contents (verl/utils/checkpoint: an HF critic in OUT_DIR/huggingface, written by rank 0):
+    what verl users hand to another stack. {file: size} of that directory."""
+    model, engine, optimizer = verl_configs(model_dir, "verl-fsdp2")
+    engine = dataclasses.replace(engine, model_dtype=dtype)
+    worker = TrainingWorker(TrainingWorkerConfig(
+        model_type="value_model", model_config=model, engine_config=engine, optimizer_config=optimizer,
+        checkpoint_config=CheckpointConfig(save_contents=["model", "hf_model"])))
+    worker.reset()
+    worker.save_checkpoint(out_dir, global_step=0, max_ckpt_to_keep=1)
+    hf_dir = os.path.join(out_dir, "huggingface")
+    return {name: os.path.getsize(os.path.join(hf_dir, name)) for name in sorted(os.listdir(hf_dir))}
+
+
 def formats(*model_dirs: str) -> dict:
     tensors, returns = padded_batch(seed=2)
     out = {}
@@ -544,8 +563,8 @@ def yaml(readme_yaml: str, *overrides: str) -> dict:
             "path": mapped.model.path}
 
 
-CHECKS = {"parity": parity, "value_mask": value_mask, "vision": vision, "resume": resume, "formats": formats,
-          "config": config, "yaml": yaml}
+CHECKS = {"parity": parity, "value_mask": value_mask, "vision": vision, "resume": resume, "save_hf": save_hf,
+          "formats": formats, "config": config, "yaml": yaml}
 
 
 def main():
