@@ -244,6 +244,26 @@ def test_megatron_refuses_expert_layouts_it_cannot_run(parallel, world, message)
     assert message in _refusal("megatron", "qwen3_moe", world, **parallel)
 
 
+@pytest.mark.parametrize("parallel, fewest", [
+    ({"expert": 2}, 2), ({"expert": 4, "context": 2}, 4), ({"tensor": 2, "expert": 2}, 4),
+    ({"replicate": 2, "expert": 4}, 4), ({"expert": 1}, 1),
+])
+def test_the_fewest_processes_count_the_expert_degree(parallel, fewest):
+    """issue 49: experts are spread over the data x context ranks, so the layout needs that many."""
+    assert ParallelConfig(**parallel).min_world_size == fewest
+
+
+def test_a_dry_run_without_nproc_plans_the_processes_expert_parallelism_needs(tmp_path):
+    """issue 49: megatron tensor 1, expert 2 without --nproc plans 2 processes, as the README says."""
+    from critic_adapters.common.tests.torchrun import run_launcher_in_process
+
+    dry = run_launcher_in_process("critic_adapters.backends.megatron.train", "--dry-run",
+                                  "engine.model.path=embedded:qwen3_moe", "engine.parallel.tensor=1",
+                                  "engine.parallel.expert=2", f"trainer.run_dir={tmp_path / 'run'}")
+    assert dry.returncode == 0 and "processes: 2 (data parallel 2, experts over 2 ranks)" in dry.stdout, \
+        dry.stdout[-2000:] + dry.stderr[-2000:]
+
+
 def test_expert_parallelism_is_refused_where_it_cannot_apply():
     assert "qwen2 has no experts" in _refusal("megatron", "qwen2", 2, expert=2)
     assert "engine.parallel.expert=2 (offered by backend=megatron)" in _refusal("fsdp", "qwen3_moe", 2, expert=2)

@@ -102,6 +102,21 @@ def test_bad_multi_turn_fields_are_refused_naming_the_row_before_anything_is_wri
     assert "row " in dry.stderr and not run_dir.exists()
 
 
+def test_every_problem_is_counted_and_each_kind_shown(tmp_path):
+    """issue 49: the rows with a reward on a tool output are all counted (the first few shown), and a
+    problem of another kind in the last row is shown too, through the dry run."""
+    records = make_multi_turn_records(64, seed=0)
+    off_mask = [row for row, r in enumerate(records) if not r["truncated"] and not r["response_mask"][-1]]
+    records[-1]["input_ids"][0] = 5000  # outside the tiny model's vocabulary of 1000
+    path = write_jsonl(tmp_path / "rollouts.jsonl", records)
+    dry = launch(FSDP, "--dry-run", f"data.train_path={path}", f"trainer.run_dir={tmp_path / 'run'}")
+    shown = dry.stderr.count("outside response_mask (a trajectory that ends on a tool output?)")
+    assert dry.returncode == 2 and len(off_mask) > 3 and shown == 3, (off_mask, dry.stderr[-3000:])
+    assert (f"... and {len(off_mask) - 3} more rows with the same problem as row {off_mask[0]}") in dry.stderr
+    assert f"{len(off_mask) + 1} problems (2 kinds)" in dry.stderr, dry.stderr[-3000:]
+    assert "row 63: token ids [5000] are outside the model's vocabulary" in dry.stderr, dry.stderr[-3000:]
+
+
 def test_the_embedded_set_is_refused_without_a_placement_and_a_launch_writes_nothing(tmp_path):
     """The embedded multi-turn rollouts end on tool outputs with the reward there, as agent loops record
     them: a launch without data.off_mask_rewards=previous refuses them in its worker, before it writes."""

@@ -134,7 +134,8 @@ def test_the_machinery_with_images(root, backend):
     """Two ranks, the first family: HSDP steps as plain data parallel; gradient checkpointing with the
     vision tower frozen (after an offload cycle) trains all but the tower, and a checkpoint resumes
     its next step bit-identically; LoRA starts from the plain critic's values and never adapts the
-    vision tower; Ulysses is refused by name at build."""
+    vision tower; image rows without their images are refused by every call; at Ulysses 2 text rows
+    run and images are refused at the call."""
     ranks = 2
     results = _results(backend, ranks, root)
     family = VLM_FAMILIES[0]
@@ -160,7 +161,19 @@ def test_the_machinery_with_images(root, backend):
         # B = 0: a fresh LoRA critic is the plain critic (the main run's values before any step)
         assert (o["lora_before"] - results[family][rank]["values_packed"]).abs().max() < 1e-6
         assert o["lora_trainable"] and not [n for n in o["lora_trainable"] if ".visual." in n]
-        assert o["ulysses"] is not None and "ulysses > 1 is not supported for a vision-language critic" in o["ulysses"]
+        # Image rows without their images: refused by row by every call, never computed blind (issue 49).
+        for call, message in o["blind"].items():
+            assert message is not None and "row 0: input_ids hold 4 image placeholder token(s)" in message, (call, message)
+        # Ulysses 2: a text row's values as the plain engine's (from the same checkpoint), an update on it
+        # moves them; images are refused at the call, by name (issue 49). VeOmni refuses the layout at build.
+        if backend == "veomni":
+            assert "VeOmni's model runs its vision tower in every forward" in o["ulysses_build"]
+            continue
+        assert o["ulysses_build"] is None
+        assert (o["ulysses_text_values"] - o["text_values"]).abs().max() < 1e-5
+        assert o["ulysses_text_update"]["value_loss"] > 0
+        assert (o["ulysses_text_after"] - o["ulysses_text_values"]).abs().max() > 1e-4
+        assert o["ulysses_images"] is not None and "images under engine.parallel.ulysses > 1" in o["ulysses_images"]
 
 
 if __name__ == "__main__":

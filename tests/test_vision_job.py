@@ -67,6 +67,8 @@ def _plain(record: dict, pixels=lambda p: p.tolist()) -> dict:
             return value
         return pixels(value) if key == "pixel_values" else value.tolist()
 
+    if "multi_modal_inputs" not in record:  # a file without the column
+        return record
     media = record["multi_modal_inputs"]
     return dict(record, multi_modal_inputs=None if media is None else {k: plain(k, v) for k, v in media.items()})
 
@@ -137,7 +139,36 @@ def _ragged_pixels(records):
     records[7]["multi_modal_inputs"]["pixel_values"][2] = records[7]["multi_modal_inputs"]["pixel_values"][2][:5]
 
 
+def _no_images_column(records):
+    for record in records:
+        del record["multi_modal_inputs"]
+
+
+def _all_null(records):
+    for record in records:
+        record["multi_modal_inputs"] = None
+
+
+def _odd_grid(records):
+    """[1, 16, 1]: 16 patches and 4 placeholders, as [1, 4, 4] has, but w is no multiple of the merge size 2."""
+    records[2]["multi_modal_inputs"]["image_grid_thw"] = torch.tensor([[1, 16, 1]])
+
+
+def _short_pixel_rows(records):
+    records[4]["multi_modal_inputs"]["pixel_values"] = records[4]["multi_modal_inputs"]["pixel_values"][:, :-1]
+
+
+WIDTH = 3 * 2 * 14**2  # channels x temporal_patch_size x patch_size**2 of the tiny qwen2_vl's processor
+BLIND = "(no row was given multi_modal_inputs: pass each row's images, as the processor wrote them)"
 BAD = {  # name: (change to the records, the refusal)
+    "no-images-column": (_no_images_column, "row 0: input_ids hold 4 image placeholder token(s) (id 998) but the row "
+                                            f"has no pixel_values {BLIND}"),
+    "all-images-null": (_all_null, f"row 0: input_ids hold 4 image placeholder token(s) (id 998) but the row has no "
+                                   f"pixel_values {BLIND}"),
+    "odd-grid": (_odd_grid, "row 2: image_grid_thw has an entry [1, 16, 1]: h and w must be multiples of this "
+                            "critic's spatial_merge_size 2"),
+    "short-pixel-rows": (_short_pixel_rows, f"row 4: pixel_values has shape (16, {WIDTH - 1}); this critic's "
+                                            f"processor makes rows of {WIDTH} values"),
     "one-placeholder-too-many": (_one_placeholder_too_many,
                                  "row 3: input_ids hold 5 image placeholder token(s) (id 998) but image_grid_thw "
                                  "[[1, 4, 4]] makes 4"),
@@ -178,12 +209,52 @@ def test_images_for_a_text_only_critic_are_refused_by_name_before_anything_is_wr
     assert dry.returncode == 2 and "engine.model.path=embedded:qwen2 is qwen2, a text-only critic" in dry.stderr
 
 
+def test_a_launch_on_rollouts_without_their_images_is_refused_by_row_before_anything_is_written(tmp_path):
+    """issue 49: the file without its multi_modal_inputs column, through a real launch (its worker reads the
+    rollouts); and images under Ulysses, through the dry run (a vision critic's text rows run there)."""
+    records = make_vision_records(16, seed=0)
+    _no_images_column(records)
+    path = write_jsonl(tmp_path / "blind.jsonl", records)
+    run_dir = tmp_path / "run"
+    result = run_launcher(FSDP, "engine.model.path=embedded:qwen2_vl", f"data.train_path={path}",
+                          f"trainer.run_dir={run_dir}", *QUIET)
+    assert result.returncode != 0 and f"invalid rollouts in {path}: {BAD['no-images-column'][1]}" in result.stderr, \
+        result.stderr[-3000:]
+    assert not run_dir.exists()
+    dry = launch(FSDP, "--dry-run", "--nproc", "2", "engine.model.path=embedded:qwen2_vl", "data.train_path=embedded:vision",
+                 "engine.parallel.ulysses=2", f"trainer.run_dir={run_dir}")
+    assert dry.returncode == 2 and "images under engine.parallel.ulysses > 1" in dry.stderr, dry.stderr[-3000:]
+    assert not run_dir.exists()
+
+
 def test_a_row_with_images_is_never_cut_to_max_positions(tmp_path):
     """Cutting it could part placeholders from their pixels: refused even with truncate_to_max_positions."""
     path = write_jsonl(tmp_path / "r.jsonl", make_vision_records(4, seed=0))
     with pytest.raises(ValueError, match=r"row 0: input_ids has \d+ tokens, more than the model's "
                                          r"max_position_embeddings \(8\), and it has images: cutting it could part"):
         load_rollouts(path, 1000, max_positions=8, truncate=True)
+
+
+def test_a_resume_dry_run_refuses_data_whose_rows_changed_as_the_resume_does(tmp_path):
+    """issue 49: the dry run of a --resume reads the run's rollouts as the resume does (their images
+    read again from the data): a file whose token ids changed since the run started is refused by both,
+    and the run is left as it was."""
+    records = make_vision_records(12, seed=0)
+    path = write_jsonl(tmp_path / "rollouts.jsonl", records)
+    run_dir = tmp_path / "run"
+    short = ("engine.model.path=embedded:qwen2_vl", f"data.train_path={path}", f"trainer.run_dir={run_dir}",
+             "trainer.epochs=1", "data.mini_batch_size=4", "trainer.save_every_steps=2", "trainer.export_hf=false", *QUIET)
+    first = launch(FSDP, "--nproc", "1", *short)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert launch(FSDP, "--resume", "--dry-run", f"trainer.run_dir={run_dir}").returncode == 0
+    records[4]["input_ids"][1] += 1
+    write_jsonl(tmp_path / "rollouts.jsonl", records)
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    for extra in (("--dry-run",), ()):
+        resumed = launch(FSDP, "--resume", *extra, "--nproc", "1", f"trainer.run_dir={run_dir}", "trainer.epochs=2")
+        assert resumed.returncode != 0 and "no longer holds the rollouts this run started from" in resumed.stderr, \
+            (extra, resumed.stdout[-2000:], resumed.stderr[-2000:])
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
 
 
 def test_a_resume_refuses_data_whose_rows_changed(tmp_path):

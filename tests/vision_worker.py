@@ -89,6 +89,9 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out = {}
     base = engine_config(model_dir)
     plain = build_engine(backend, base, dist)
+    text = vision_rollout(family, 0).select([2])  # the text row, the same on every rank
+    out["text_values"] = plain.compute_values(text.input_ids, text.attention_mask)
+    out["blind"] = blind_calls(plain, batch)
     out["plain"] = plain.update(_step(plain, batch)[1])
     out["plain_values"] = plain.compute_values(batch.input_ids, batch.attention_mask, images)
     # Ranks with and without images in one call: rank 1 passes its text row only, then no rows at all
@@ -129,12 +132,42 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     out["lora"] = lora.update(_step(lora, batch)[1])
     out["lora_trainable"] = sorted(n for n, p in lora.model.named_parameters() if p.requires_grad)
     lora.close()
+    # Ulysses 2 (both ranks one sequence group): text rows run, images are refused at the call (fsdp;
+    # VeOmni refuses the layout at build, its model running the tower in every forward).
     try:
-        build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(ulysses=2)), dist).close()
-        out["ulysses"] = None
+        split = build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(ulysses=2)), dist)
     except ValueError as error:
-        out["ulysses"] = str(error)
+        out["ulysses_build"] = str(error)
+        torch.save(out, os.path.join(work, f"machinery{dist.rank}.pt"))
+        return
+    out["ulysses_build"] = None
+    out["ulysses_text_values"] = split.compute_values(text.input_ids, text.attention_mask)
+    out["ulysses_text_update"] = split.update(_step(split, text)[1])
+    out["ulysses_text_after"] = split.compute_values(text.input_ids, text.attention_mask)
+    try:
+        split.compute_values(batch.input_ids, batch.attention_mask, images)
+        out["ulysses_images"] = None
+    except ValueError as error:
+        out["ulysses_images"] = str(error)
+    split.close()
     torch.save(out, os.path.join(work, f"machinery{dist.rank}.pt"))
+
+
+def blind_calls(engine, batch: RolloutBatch) -> dict:
+    """The image rows without their images, through compute_values, forward_backward and update: each
+    refusal's message (None where a call accepted them)."""
+    blind = dataclasses.replace(batch, multi_modal_inputs=None)
+    calls = {"compute_values": lambda: engine.compute_values(blind.input_ids, blind.attention_mask),
+             "forward_backward": lambda: engine.forward_backward(blind.input_ids, blind.attention_mask, None),
+             "update": lambda: engine.update(dataclasses.replace(_step(engine, batch)[1], multi_modal_inputs=None))}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as error:
+            out[name] = str(error)
+    return out
 
 
 def main() -> None:

@@ -87,6 +87,13 @@ def check_layout(model_config, engine_config, world_size: int) -> None:
     process starts, and the engine calls it when it is built."""
     check_family_registered(model_config)
     ulysses.check_layout(model_config, engine_config, world_size)
+    if engine_config.parallel.ulysses > 1 and is_vision_critic(model_config):
+        # VeOmni's Qwen-VL runs its vision tower on a dummy image in every forward, text rows too, and
+        # that forward fails on the sequence-split inputs (split sizes of the whole row).
+        raise ValueError(f"engine.parallel.ulysses={engine_config.parallel.ulysses} with a vision-language critic "
+                         f"({model_config.model_type}) on veomni: VeOmni's model runs its vision tower in every "
+                         f"forward, which fails on split rows; use backend=fsdp (its text rows run under Ulysses) "
+                         f"or engine.parallel.ulysses=1")
 
 
 def build_critic(critic_cfg, *, weights_path: str | None, dtype: str, attn_implementation: str,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import warnings
 
@@ -241,8 +242,10 @@ class ParallelConfig:
 
     @property
     def min_world_size(self) -> int:
-        """The fewest processes this layout runs on: one data-parallel rank per replica."""
-        return self.model_parallel_size * self.replicate
+        """The fewest processes this layout runs on: one data-parallel rank per replica, and enough data
+        x context ranks to spread the experts over (expert parallelism: megatron)."""
+        experts_need = self.expert // math.gcd(self.expert, self.context)  # data ranks the experts need
+        return self.model_parallel_size * math.lcm(self.replicate, experts_need)
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel degree of `world_size` processes; ValueError, naming the process counts

@@ -203,8 +203,11 @@ class FSDP2Engine(Offloadable):
 
     def _images(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs) -> Images:
         """The rows' images (multimodal.as_rows), checked against their placeholders on every DP rank
-        together (multimodal.check_rows; a vision critic never runs with Ulysses: attention_for)."""
-        return checked_images(self.model.config, input_ids, attention_mask, multi_modal_inputs, group=self.dp_group)
+        together (multimodal.check_rows); refused under Ulysses, where only text rows run (Ulysses
+        peers hold the same rows, so every rank agrees)."""
+        images = checked_images(self.model.config, input_ids, attention_mask, multi_modal_inputs, group=self.dp_group)
+        ulysses.check_images(self.config.parallel.ulysses, bool(images.anywhere))
+        return images
 
     @contextlib.contextmanager
     def _replica_reduction(self, *, last: bool):

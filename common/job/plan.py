@@ -2,7 +2,7 @@
 wherever it is made.
 
   config -> processes: --nproc, else (--resume) the count the run last ran with, else the fewest
-            the layout runs on (engine.parallel.min_world_size: replicas included)
+            the layout runs on (engine.parallel.min_world_size: replicas and expert ranks included)
          -> the run directory, read only: not in use, no checkpoints for a fresh run; for --resume a
             complete checkpoint, the prepared rollouts and the run's config.yaml, which the config
             may differ from only in CHANGEABLE_ON_RESUME keys (check_run)

@@ -8,6 +8,7 @@ import torch
 
 from ..learning.data import Rollouts
 from ..learning.media import FIELD
+from ..parallel import ulysses
 from ..valuehead.multimodal import check_rows, is_vision_critic, select, vision_patches
 
 VISION_FAMILIES = "qwen2_vl, qwen2_5_vl, qwen3_vl"
@@ -27,13 +28,16 @@ def refuse_images_for_text_critic(records: list, critic_config, source: str, mod
                          f"rollouts without {FIELD}")
 
 
-def check_images(rollouts: Rollouts, critic_config, source: str) -> None:
+def check_images(rollouts: Rollouts, critic_config, source: str, *, ulysses_degree: int = 1) -> None:
     """ValueError naming the row whose images do not match its placeholder tokens (their count against
-    the grids, patches against the grids, a grid without pixels); the rows are the file's."""
-    if rollouts.multi_modal_inputs is None:
+    the grids, patches against the grids, a grid without pixels, placeholders without images whether
+    or not any row has some, dimensions the critic's vision config fixes); the rows are the file's.
+    Images under engine.parallel.ulysses > 1 are refused (text rows of a vision critic run there)."""
+    if critic_config is None:  # a text-only critic: refuse_images_for_text_critic checked the rows
         return
     try:
         check_rows(critic_config, rollouts.input_ids, rollouts.attention_mask, rollouts.multi_modal_inputs)
+        ulysses.check_images(ulysses_degree, rollouts.multi_modal_inputs is not None)
     except ValueError as error:
         raise ValueError(f"invalid rollouts in {source}: {error}") from None
 

@@ -94,7 +94,7 @@ def read_rollouts(config: TrainConfig, vocab_size: int, max_positions: int | Non
         refuse_images_for_text_critic(records, critic_config, source, config.engine.model.path)
         notes.extend(validate_records(records, vocab_size, source, **limits))
         rollouts = to_rollouts(records)
-        check_images(rollouts, critic_config, source)
+        check_images(rollouts, critic_config, source, ulysses_degree=config.engine.parallel.ulysses)
         return rollouts
 
     if data.train_path in EMBEDDED_ROLLOUTS:
@@ -256,17 +256,7 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
         resuming = plan.resume is not None
         if resuming:
             say_resume(plan, say)
-            prepared = torch.load(os.path.join(run_dir, PREPARED), weights_only=True)
-            train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
-            # False: a run from before the renewal
-            refresh = Renewal(bool(prepared.get("refresh_old_values", False)), bool(prepared.get("renew_returns", False)))
-            if prepared.get("images"):  # data, not state: read again from the data
-                data_train, data_eval = read_rollouts(config, plan.vocab_size, plan.max_positions, lambda *_: None,
-                                                      critic_config=plan.model.critic_config)
-                where = os.path.join(run_dir, PREPARED)
-                train = with_images_again(train, data_train, config.data.train_path, where)
-                held_out = with_images_again(held_out, data_eval, config.data.eval_path or config.data.train_path,
-                                             where)
+            train, held_out, refresh = resumed_rollouts(plan)
         else:
             train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say,
                                             critic_config=plan.model.critic_config)
@@ -586,6 +576,24 @@ def _progress(total: int, done: int, *, enabled: bool):
                 mininterval=1.0, dynamic_ncols=True)
 
 
+def resumed_rollouts(plan: JobPlan) -> tuple[Rollouts, Rollouts, Renewal]:
+    """(train, held-out, renewal) of the run the plan resumes: the prepared rollouts (their old values and
+    returns as the run left them), with their images read again from the data, which must still hold the
+    run's rows (with_images_again: ValueError otherwise). The resume and its dry run both read them here."""
+    config = plan.config
+    where = os.path.join(os.path.abspath(config.trainer.run_dir), PREPARED)
+    prepared = torch.load(where, weights_only=True)
+    train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
+    # False: a run from before the renewal
+    refresh = Renewal(bool(prepared.get("refresh_old_values", False)), bool(prepared.get("renew_returns", False)))
+    if prepared.get("images"):  # data, not state: read again from the data
+        data_train, data_eval = read_rollouts(config, plan.vocab_size, plan.max_positions, lambda *_: None,
+                                              critic_config=plan.model.critic_config)
+        train = with_images_again(train, data_train, config.data.train_path, where)
+        held_out = with_images_again(held_out, data_eval, config.data.eval_path or config.data.train_path, where)
+    return train, held_out, refresh
+
+
 def dry_run(plan: JobPlan, *, say=print) -> None:
     """What the job would do, from its plan (every check a launch makes before it starts a process
     has passed), and the rollouts it would train on, checked; builds no engine, trains and writes
@@ -604,8 +612,7 @@ def dry_run(plan: JobPlan, *, say=print) -> None:
     if config.engine.lora.rank:
         say(lora_line(config.engine.lora))
     if plan.resume is not None:
-        prepared = torch.load(os.path.join(os.path.abspath(config.trainer.run_dir), PREPARED), weights_only=True)
-        train, held_out = Rollouts(**prepared["train"]), Rollouts(**prepared["eval"])
+        train, held_out, _ = resumed_rollouts(plan)
     else:
         train, held_out = read_rollouts(config, plan.vocab_size, plan.max_positions, say,
                                         critic_config=plan.model.critic_config)

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import torch
 
@@ -162,7 +163,8 @@ PER_TOKEN = ("input_ids", "response_mask") + TARGETS + OPTIONAL + AGENTIC
 def validate_records(records: list, vocab_size: int, source: str, *, max_positions: int | None = None,
                      truncate: bool = False, targets: bool = True, off_mask_rewards: str = "error",
                      timestep_unit: str = "token") -> list[str]:
-    """Raise one ValueError that names the file, the row and the field for the first problems found.
+    """Raise one ValueError that names the file, the row and the field of every problem found (each
+    kind's first rows shown, the rest counted: summarise_problems).
 
     Rows longer than `max_positions` tokens are refused, or, with `truncate`, cut to that length in
     place (a cut row with rewards is marked truncated: its returns bootstrap). `targets=False`
@@ -200,8 +202,6 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
                         "turn's index on it); give it, or use data.timestep_unit=token")
     truncated = no_response = moved = cut_off = 0
     for row, record in enumerate(records):
-        if len(problems) >= 10:
-            break
         if not isinstance(record, dict):
             problems.append(f"row {row}: expected an object with fields input_ids, response_mask, returns or "
                             f"rewards, got {_kind(record)}")
@@ -266,7 +266,7 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         problems.append("no row has a response token (response_mask is 0 everywhere), so there is nothing to train "
                         "on; mark the response tokens with 1")
     if problems:
-        raise ValueError(f"invalid rollouts in {source}:\n  " + "\n  ".join(problems[:10]))
+        raise ValueError(f"invalid rollouts in {source}: " + summarise_problems(problems))
     if truncated:
         notes.append(f"{source}: cut {truncated} of {len(records)} rollouts to the model's max_position_embeddings "
                      f"({max_positions} tokens; data.truncate_to_max_positions=true)")
@@ -280,6 +280,34 @@ def validate_records(records: list, vocab_size: int, source: str, *, max_positio
         notes.append(f"warning: {no_response} of {len(records)} rollouts in {source} have no response tokens "
                      f"(response_mask all 0); they add nothing to training")
     return notes
+
+
+SHOWN_PER_KIND = 3
+"""Rows shown of each kind of problem; the rest of that kind are counted."""
+
+
+def _problem_kind(problem: str) -> str:
+    """A problem's kind: its text without the row and the numbers or lists that vary from row to row."""
+    text = re.sub(r"^row \d+: ", "", problem)
+    return re.sub(r"\[[^\]]*\]|-?\d+(\.\d+)?", "#", text)
+
+
+def summarise_problems(problems: list[str]) -> str:
+    """Every problem counted, the first SHOWN_PER_KIND of each kind shown in the order found ("... and
+    65 more rows with the same problem as row 3"), so a problem of another kind further down is never hidden."""
+    kinds: dict[str, list[str]] = {}
+    for problem in problems:
+        kinds.setdefault(_problem_kind(problem), []).append(problem)
+    lines = []
+    for same in kinds.values():
+        lines += same[:SHOWN_PER_KIND]
+        rest = len(same) - SHOWN_PER_KIND
+        if rest > 0:
+            first = re.match(r"row (\d+):", same[0])
+            like = f"row {first.group(1)}" if first else "the first"
+            lines.append(f"... and {rest} more {'row' if rest == 1 else 'rows'} with the same problem as {like}")
+    head = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+    return f"{head} ({len(kinds)} kind{'s' if len(kinds) > 1 else ''}):\n  " + "\n  ".join(lines)
 
 
 def _all_or_none(records: list, name: str) -> list[str]:

@@ -105,12 +105,18 @@ def check_heads(num_heads: int, num_kv_heads: int, degree: int) -> None:
                          f"{num_kv_heads} or a multiple of it that divides {num_heads}")
 
 
-VISION_REFUSAL = (
-    "engine.parallel.ulysses > 1 is not supported for a vision-language critic, which takes images: Ulysses "
-    "splits each row's tokens across ranks before the model runs, and a vision critic scatters every image's "
-    "features into its placeholder tokens inside the forward, which then sit on other ranks (and its "
-    "multimodal rope positions are per sequence). Run vision critics with engine.parallel.ulysses=1; long "
-    "rows fit with packing, gradient checkpointing and more data-parallel ranks")
+IMAGES_REFUSAL = (
+    "images under engine.parallel.ulysses > 1: Ulysses splits each row's tokens across ranks before the model "
+    "runs, and a vision critic scatters every image's features into its placeholder tokens inside the forward, "
+    "which then sit on other ranks (and its multimodal rope positions are per sequence). A vision critic's text "
+    "rows run under Ulysses; give rows with images to an engine at engine.parallel.ulysses=1 (long rows fit "
+    "with packing, gradient checkpointing and more data-parallel ranks)")
+
+
+def check_images(degree: int, has_images: bool) -> None:
+    """Refuse images (any rank's: the caller agreed on it over the ranks) under a Ulysses degree > 1."""
+    if degree > 1 and has_images:
+        raise ValueError(IMAGES_REFUSAL)
 
 
 def check_attention(engine_config) -> None:
@@ -124,12 +130,11 @@ def check_attention(engine_config) -> None:
 
 def check_layout(model_config, engine_config, world_size: int) -> None:
     """A BackendSpec check_layout (fsdp, veomni): refuse, before any process starts, a Ulysses
-    degree the model's attention heads cannot be split by, an attention that cannot split them, or
-    a vision-language critic (VISION_REFUSAL)."""
+    degree the model's attention heads cannot be split by, or an attention that cannot split them.
+    A vision-language critic builds (its text rows run under Ulysses); images are refused where
+    they are given (check_images)."""
     check_attention(engine_config)
     degree = engine_config.parallel.ulysses
-    if degree > 1 and getattr(model_config, "vision_config", None) is not None:
-        raise ValueError(VISION_REFUSAL)
     if degree > 1:
         text = model_config.get_text_config()
         heads = text.num_attention_heads

@@ -124,7 +124,9 @@ def test_values_for_a_whole_rollout_file(tmp_path, capsys):
 
 def test_values_for_a_rollout_file_with_images(tmp_path, capsys):
     """A vision critic's values over a rollout file with images are those computed with the images; a
-    text-only critic refuses the images by name and writes nothing."""
+    text-only critic refuses the images by name and writes nothing; so does the vision critic for the
+    same rows without their images (the file without the column, or every row's null: issue 49), as
+    compute_values does."""
     from critic_adapters.common.job.vision_rollouts import make_vision_records
     from critic_adapters.common.testdata import save_tiny_causal_lm
 
@@ -142,9 +144,28 @@ def test_values_for_a_rollout_file_with_images(tmp_path, capsys):
     images = [{k: torch.tensor(v) for k, v in records[1]["multi_modal_inputs"].items()}]
     with torch.no_grad():
         expected = shift_to_tokens(compute_values(model, ids, torch.ones_like(ids), multi_modal_inputs=images))[0]
-        blind = shift_to_tokens(compute_values(model, ids, torch.ones_like(ids)))[0]
+        zeroed = [dict(images[0], pixel_values=torch.zeros_like(images[0]["pixel_values"]))]
+        blind = shift_to_tokens(compute_values(model, ids, torch.ones_like(ids), multi_modal_inputs=zeroed))[0]
+        with pytest.raises(ValueError, match=r"row 0: input_ids hold 4 image placeholder token\(s\) \(id 998\) but "
+                                             r"the row has no pixel_values \(no row was given multi_modal_inputs"):
+            compute_values(model, ids, torch.ones_like(ids))
     assert torch.allclose(torch.tensor(table[1]["values"]), expected, atol=1e-5)
     assert not torch.allclose(torch.tensor(table[1]["values"]), blind, atol=1e-4)
+    # The whole file without its images, and one null row after a first batch of one row (named as the file's row 2).
+    for form, rows, change, first in (("no-column", range(3), lambda r: r.pop("multi_modal_inputs"), 0),
+                                      ("null", range(3), lambda r: r.update(multi_modal_inputs=None), 0),
+                                      ("one-null", [2], lambda r: r.update(multi_modal_inputs=None), 2)):
+        blind_file = tmp_path / f"{form}.jsonl"
+        blind_records = [dict(r) for r in records]
+        for row in rows:
+            change(blind_records[row])
+        blind_file.write_text("".join(json.dumps(r) + "\n" for r in blind_records))
+        capsys.readouterr()
+        assert cli(["values", path, "--rollouts", str(blind_file), "--out", str(tmp_path / f"{form}.parquet"),
+                    "--batch-size", "2"]) == 2
+        error = capsys.readouterr().err
+        assert f"invalid rollouts in {blind_file}: row {first}: input_ids hold 4 image placeholder token(s)" in error, error
+        assert not (tmp_path / f"{form}.parquet").exists()
     text_critic, _ = build.causal_lm(str(tmp_path / "text"))
     capsys.readouterr()
     assert cli(["values", text_critic, "--rollouts", str(rollouts), "--out", str(tmp_path / "no.parquet")]) == 2

@@ -110,6 +110,20 @@ def test_sequences_longer_than_the_model_are_refused_unless_truncation_is_asked_
     assert rollouts.truncated.tolist() == [False, False, True, False]
 
 
+@pytest.mark.parametrize("value, accepted", [(True, True), (0, True), (1, True), (2, False), (0.5, False),
+                                             ("yes", False)])
+def test_truncated_takes_true_false_and_the_integers_0_and_1_as_docs_data_says(tmp_path, value, accepted):
+    records = make_default_records(4, seed=0)
+    for record in records:
+        record["truncated"] = False
+    records[1]["truncated"] = value
+    path = write_jsonl(tmp_path / "r.jsonl", records)
+    if accepted:
+        assert load_rollouts(path, VOCAB, max_positions=MAX_POSITIONS).truncated.tolist()[1] == bool(value)
+    else:
+        refused(path, "row 1: truncated: expected true or false (per row)")
+
+
 def test_a_one_row_file_leaves_nothing_to_train_on(tmp_path):
     path = write_jsonl(tmp_path / "one.jsonl", make_default_records(1))
     config = load_train_config([], [f"data.train_path={path}"])

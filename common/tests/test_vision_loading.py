@@ -46,8 +46,13 @@ def test_a_base_vlm_checkpoint_loads_as_a_critic_that_sees_the_images(tmp_path, 
                                        @ head.weight.T + head.bias)[:, 0], ids, mask, images, backbone.config)
     valid = mask.bool()
     assert (values - expected)[valid].abs().max() < 1e-5
-    blind = compute_values(critic, ids, mask)  # the same tokens without their pixels
+    zeroed = [row and dict(row, pixel_values=torch.zeros_like(row["pixel_values"])) for row in images]
+    blind = compute_values(critic, ids, mask, multi_modal_inputs=zeroed)  # the same tokens, other pixels
     assert (values - blind)[0].abs().max() > 1e-4 and torch.allclose(values[1], blind[1], atol=1e-6)
+    # Without any images the placeholders are refused by row, never computed blind (issue 49).
+    with pytest.raises(ValueError, match=r"row 0: input_ids hold 4 image placeholder.*no row was given multi_modal"):
+        compute_values(critic, ids, mask)
+    assert torch.allclose(compute_values(critic, ids[1:2], mask[1:2]), values[1:2], atol=1e-6)  # a text row alone
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
@@ -83,6 +88,23 @@ def test_images_that_do_not_match_their_placeholders_are_refused_by_row():
         check_rows(config, ids, mask, (short, {}, images[2]))
     with pytest.raises(ValueError, match="text-only and cannot see them"):
         check_rows(tiny_config("qwen2"), ids, mask, tuple(row or {} for row in images))
+    # Dimensions the processor config fixes (issue 49): the grid's h and w against the merge size, the
+    # pixel rows' width, positive entries; one video timing per video.
+    odd = dict(images[0], image_grid_thw=torch.tensor([[1, 16, 1]]))  # 16 patches and 4 tokens, as [1, 4, 4]
+    with pytest.raises(ValueError, match=r"row 0: image_grid_thw has an entry \[1, 16, 1\]: h and w must be "
+                                         r"multiples of this critic's spatial_merge_size 2"):
+        check_rows(config, ids, mask, (odd, {}, images[2]))
+    narrow = dict(images[0], pixel_values=images[0]["pixel_values"][:, :-1])
+    with pytest.raises(ValueError, match=r"row 0: pixel_values has shape \(16, 1175\); this critic's processor "
+                                         r"makes rows of 1176 values"):
+        check_rows(config, ids, mask, (narrow, {}, images[2]))
+    with pytest.raises(ValueError, match=r"row 7: image_grid_thw has an entry \[0, 4, 4\]"):
+        check_rows(config, ids, mask, (dict(images[0], image_grid_thw=torch.tensor([[0, 4, 4]])), {}, images[2]),
+                   first_row=7)
+    # No images for any row: placeholders refused by row; a text row passes.
+    with pytest.raises(ValueError, match=r"row 0: input_ids hold 4 image placeholder token\(s\).*no row was given"):
+        check_rows(config, ids, mask, None)
+    check_rows(config, ids[1:2], mask[1:2], None)
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)

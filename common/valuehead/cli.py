@@ -23,6 +23,7 @@ from ..learning.hl_gauss import describe
 from .config import architecture_name, critic_class, text_hidden_size
 from .errors import CriticLoadError
 from .experts import describe_experts
+from . import multimodal
 from .load import load_critic, plan_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -160,6 +161,17 @@ def _refuse_unwritable(path: str, what: str) -> None:
         raise CriticLoadError(f"cannot write {path}: {reason}; choose another destination")
 
 
+def _padded_chunk(chunk: list[dict]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(input_ids, attention_mask, each row's multi_modal_inputs or None) of rollout records, right-padded."""
+    width = max(len(r["input_ids"]) for r in chunk)
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    mask = torch.zeros(len(chunk), width, dtype=torch.long)
+    for i, r in enumerate(chunk):
+        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"], dtype=torch.long)
+        mask[i, :len(r["input_ids"])] = 1
+    return ids, mask, [r.get("multi_modal_inputs") for r in chunk]  # a text critic refuses images by name
+
+
 def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_kwargs) -> None:
     """The critic's values for every row of a rollout file, written to a Parquet file.
 
@@ -181,27 +193,28 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     _refuse_unwritable(out, "file")
     records = read_records(rollouts)
     # The file is checked against the model's config.json before the (maybe large) model is loaded.
-    text = plan_load(path, **load_kwargs).config.get_text_config()
+    critic = plan_load(path, **load_kwargs).config
+    text = critic.get_text_config()
     for note in validate_records(records, text.vocab_size, rollouts, targets=False,
                                  max_positions=getattr(text, "max_position_embeddings", None)):
         print(note, file=sys.stderr)
+    chunks = [(start, *_padded_chunk(records[start:start + batch_size]))
+              for start in range(0, len(records), batch_size)]
+    # Every row's images against its placeholders (a vision critic's rows need theirs), named by the
+    # file's row, before the model is loaded or anything computed.
+    try:
+        for start, ids, mask, images in chunks:
+            multimodal.check_rows(critic, ids, mask, multimodal.as_rows(images, len(ids)), first_row=start)
+    except ValueError as error:
+        raise CriticLoadError(f"invalid rollouts in {rollouts}: {error}") from None
     model, report = load_critic(path, **load_kwargs)
     print(report, file=sys.stderr)
     values = []
     with torch.no_grad(), tqdm(total=len(records), desc="values", unit="rollout", file=sys.stderr) as bar:
-        for start in range(0, len(records), batch_size):
-            chunk = records[start:start + batch_size]
-            rows = [r["input_ids"] for r in chunk]
-            images = [r.get("multi_modal_inputs") for r in chunk]  # a vision critic's (a text critic refuses them)
-            width = max(len(r) for r in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-                mask[i, :len(r)] = 1
+        for _, ids, mask, images in chunks:
             predictions = shift_to_tokens(compute_values(model, ids, mask, multi_modal_inputs=images))
-            values += [predictions[i, :len(r)].tolist() for i, r in enumerate(rows)]
-            bar.update(len(rows))
+            values += [predictions[i, :int(m.sum())].tolist() for i, m in enumerate(mask)]
+            bar.update(len(ids))
     table = pa.table({"input_ids": [[int(t) for t in r["input_ids"]] for r in records],
                       "response_mask": [r["response_mask"] for r in records], "values": values})
     tmp = out + ".tmp"

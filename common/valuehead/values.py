@@ -68,9 +68,8 @@ def compute_values(
     Or, for padded rows, pass each row's processor outputs as multi_modal_inputs (one dict or None
     per row: pixel_values, image_grid_thw, ...) and the positions are derived here.
     """
-    if multi_modal_inputs is not None:
-        position_ids, model_inputs = _padded_images(model, input_ids, attention_mask, position_ids, model_inputs,
-                                                    multi_modal_inputs)
+    position_ids, model_inputs = _padded_images(model, input_ids, attention_mask, position_ids, model_inputs,
+                                                multi_modal_inputs)
     logits = _head_outputs(model, input_ids, attention_mask, position_ids, model_inputs)
     if logits.dim() != 3 or logits.shape[-1] != 1 or logits.shape[:2] != input_ids.shape:
         raise ValueError(
@@ -103,9 +102,13 @@ def compute_bin_logits(
 
 
 def _padded_images(model, input_ids, attention_mask, position_ids, model_inputs, multi_modal_inputs):
-    """(position_ids, model_inputs) for padded rows given their per-row multi_modal_inputs."""
+    """(position_ids, model_inputs) for padded rows given their per-row multi_modal_inputs (None: the
+    rows must hold no image placeholders, unless model_inputs were laid out already)."""
     rows = multimodal.as_rows(multi_modal_inputs, input_ids.shape[0])
     if rows is None:
+        if not model_inputs:  # rows holding placeholders need their images: refused, never computed blind
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            multimodal.check_rows(model.config, input_ids.cpu(), mask.cpu(), None)
         return position_ids, model_inputs
     if position_ids is not None or model_inputs:
         raise ValueError("pass either multi_modal_inputs (padded rows; positions derived) or position_ids and "

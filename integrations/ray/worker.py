@@ -11,12 +11,22 @@ encodes every one).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 import torch
 
 from ...common.parallel.batching import data_parallel_shares
+
+
+@contextlib.contextmanager
+def _named_by_caller(rows: torch.Tensor):
+    """A row's problem, which the engine names by its index in this share, named by the caller's index."""
+    try:
+        yield
+    except _multimodal().RowError as error:
+        raise error.in_rows(rows) from None
 
 
 def _multimodal():
@@ -80,17 +90,21 @@ class CriticWorker:
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, multi_modal_inputs=None) -> tuple:
         """(this data-parallel share's row indices, their values [rows, T])."""
         rows, *share = self._share(input_ids, attention_mask, multi_modal_inputs)
-        return rows, self.engine.compute_values(*share)
+        with _named_by_caller(rows):
+            return rows, self.engine.compute_values(*share)
 
     def update(self, batch) -> dict:
-        return self.engine.update(batch.select(self._rows(batch.attention_mask, batch.multi_modal_inputs)))
+        rows = self._rows(batch.attention_mask, batch.multi_modal_inputs)
+        with _named_by_caller(rows):
+            return self.engine.update(batch.select(rows))
 
     def forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_fn=None,
                          multi_modal_inputs=None) -> tuple:
         """(this data-parallel share's row indices, their values, the loss or None): the engine's
         forward_backward on the share, `loss_fn` called on the share's values."""
         rows, ids, mask, images = self._share(input_ids, attention_mask, multi_modal_inputs)
-        values, loss = self.engine.forward_backward(ids, mask, loss_fn, images)
+        with _named_by_caller(rows):
+            values, loss = self.engine.forward_backward(ids, mask, loss_fn, images)
         # On the CPU: the driver may have no device (the engine returns them detached).
         return rows, values.cpu(), None if loss is None else loss.cpu()
 

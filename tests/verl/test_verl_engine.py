@@ -316,6 +316,8 @@ def test_a_vision_critic_reads_the_images_in_verls_batch(backend, processes, vis
         # Zeroed pixels: the image rows' values change, a text row's do not.
         blind = (verl["zeroed"] - verl["before"]).abs().amax(-1)
         assert all(blind[row] > 1e-2 if images[row] else blind[row] < 1e-5 for row in range(len(images))), blind
+        # The image rows without multi_modal_inputs in verl's batch: refused, never computed blind (issue 49).
+        assert verl["blind"] is not None and "image placeholder token(s)" in verl["blind"], verl["blind"]
         # One train_mini_batch (padded), then one in the v1 layout: our engine's two updates on the same rows.
         for metrics in ("metrics", "v1_metrics"):
             assert float(verl[metrics]["critic/vf_loss"][0]) == pytest.approx(ours[metrics]["value_loss"], rel=1e-5)

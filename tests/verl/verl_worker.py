@@ -412,6 +412,11 @@ def vision(model_dir: str, backend: str) -> dict:
     before = infer(worker, tensors, images)
     out["verl"] = {"before": before, "zeroed": infer(worker, tensors, zeroed),
                    "dynamic": infer(worker, tensors, images, max_token_len=max_tokens)}
+    try:  # the image rows without multi_modal_inputs in verl's batch: refused, never computed blind (issue 49)
+        infer(worker, tensors)
+        out["verl"]["blind"] = None
+    except ValueError as error:
+        out["verl"]["blind"] = str(error)
     old = before.clone()
     out["verl"]["metrics"] = train(worker, tensors, old, returns, images=images)
     out["verl"]["after"] = infer(worker, tensors, images)

@@ -7,6 +7,7 @@ partly taken bundles refused within startup_timeout_s), the whole engine contrac
 actor, NaN returns) that end in a clear error on the driver, never a hang."""
 
 import os
+import re
 import time
 
 import pytest
@@ -130,7 +131,8 @@ def test_a_vision_critics_images_go_with_their_rows_to_the_actors(ray_cluster, v
     """A qwen2_vl critic with images (several per row, a text-only row, a left-padded row) through 2
     actors: the shares are balanced with the image patches counted, each actor's rows take their
     images; values (compute_values and forward_backward) equal transformers' own forward of each row
-    and an in-process engine's; one update equals that engine's (loss, grad norm, values after)."""
+    and an in-process engine's; one update equals that engine's (loss, grad norm, values after); the rows
+    without their images are refused by row."""
     from critic_adapters.common.engine import shift_to_tokens
     from critic_adapters.common.engine.registry import build_engine
     from critic_adapters.common.parallel.batching import data_parallel_shares
@@ -159,6 +161,11 @@ def test_a_vision_critics_images_go_with_their_rows_to_the_actors(ray_cluster, v
             assert [rows.tolist() for rows, _ in answers] == [s.tolist() for s in shares]
             pieces, no_loss = group.forward_backward(ids, mask, None, images)
             assert no_loss is None and torch.allclose(pieces[real], values[real], atol=1e-5)
+            # The same rows without their images: refused by row, never computed blind (issue 49).
+            with pytest.raises(ValueError, match=r"row \d+: input_ids hold \d+ image placeholder token\(s\)") as error:
+                group.compute_values(ids, mask)
+            named, count = map(int, re.search(r"row (\d+): input_ids hold (\d+)", str(error.value)).groups())
+            assert count == int((ids[named] == 998).sum()) > 0  # named by the caller's row, not the actor's
             step = RolloutBatch(ids, mask, batch.response_mask, shift_to_tokens(values) * batch.response_mask,
                                 batch.returns, multi_modal_inputs=images)
             ours, reference = group.update(ray_cluster.put(step)), engine.update(step)
