@@ -104,8 +104,10 @@ class Run:
         return make_batch(4 if self.cpu else 16)  # prompts 16-48, responses 16-448 tokens, padded
 
     def config(self, **overrides) -> EngineConfig:
+        """fp32 unless a case asks for bf16 (engine.mixed_precision=auto would be bf16 on the GPU)."""
         return EngineConfig(model=ModelConfig(path=self.model_dir), optim=OptimConfig(lr=LR),
-                            batching=BatchingConfig(micro_batch_tokens=self.micro_batch_tokens), **overrides)
+                            batching=BatchingConfig(micro_batch_tokens=self.micro_batch_tokens),
+                            **{"mixed_precision": "none", **overrides})
 
     def build(self, backend: str, config: EngineConfig | None = None, dist: DistContext | None = None):
         engine = build_engine(backend, config or self.config(), dist or self.dist)
@@ -236,6 +238,12 @@ def fsdp_bf16(run: Run, n) -> None:
     engine = run.build("fsdp", run.config(mixed_precision="bf16"))
     n["kernels"] = engine.load_report.kernels
     values = run.values(engine)
+    # The engine contract: forward_backward's values and loss come back detached on the CPU, float32.
+    pieces, loss = engine.forward_backward(run.batch.input_ids, run.batch.attention_mask, lambda v: v.sum() * 0.0)
+    engine.zero_grad()
+    n["forward_backward_returns"] = [f"{t.device.type} {t.dtype}" for t in (pieces, loss)]
+    n.require("forward_backward_on_cpu", n["forward_backward_returns"] == ["cpu torch.float32"] * 2,
+              "forward_backward returns float32 CPU tensors")
     n["values_dtype"] = str(values.dtype)
     n.at_most("values_diff_vs_fp32", _maxdiff(values, ref["values"], mask), 0.05, above=0.0)
     losses = [engine.update(run.batch)["value_loss"] for _ in range(5)]
@@ -552,7 +560,7 @@ def vision(run: Run, n) -> None:
     response[:, -3:] = mask[:, -3:]
     batch = RolloutBatch(ids, mask, response, torch.zeros(ids.shape), torch.randn(ids.shape) * response,
                          multi_modal_inputs=images)
-    configs = {"fp32": EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR)),
+    configs = {"fp32": EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR), mixed_precision="none"),
                "bf16": EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=LR), mixed_precision="bf16")}
     host = run.build("fsdp", configs["fp32"], dist=run.host)
     expected = host.compute_values(ids, mask, images)

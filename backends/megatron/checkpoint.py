@@ -26,12 +26,13 @@ from ...common.storage.checkpoints import (
     check_optimizer_kind,
     optimizer_kind,
     check_meta,
+    gather_extra_tensors,
     load_trainer_state,
     save_trainer_state,
     staged_checkpoint,
     write_meta,
 )
-from ...common.parallel.distributed import one_outcome
+from ...common.parallel.distributed import group_rank, one_outcome
 
 # The distributed optimizer's checkpoint format: its state in model space (each parameter's fp32
 # weight and Adam moments with the parameter's shape), so a checkpoint reloads at any tensor,
@@ -101,12 +102,13 @@ def save_checkpoint(directory: str, engine, extra_state: dict, extra_tensors: di
     with compat.cuda_to_cpu():  # the distributed optimizer gathers its state with .cuda() copies
         state = _sharded_state(engine.model, engine.optimizer, is_loading=False)
     main = engine.dist.is_main
+    extra = gather_extra_tensors(extra_tensors, group=engine.parallel.world_group)  # every rank's, to the writer
     with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group,
                            timeout_s=engine.config.collective_timeout_s) as staging:
         with compat.cuda_to_cpu(), compat.in_process_save_results():
             dist_checkpointing.save(state, staging)
         if main:
-            save_trainer_state(staging, engine, extra_state, extra_tensors)
+            save_trainer_state(staging, engine, extra_state, extra)
             write_meta(staging, engine.fingerprint, world_size=engine.dist.world_size, backend="megatron",
                        optimizer_kind=optimizer_kind(engine.config.optim),
                        distributed_optimizer=engine.config.optim.distributed_optimizer)
@@ -133,5 +135,6 @@ def load_checkpoint(directory: str, engine) -> dict:
             engine.model.module.load_state_dict(loaded["model"], strict=False)
             with compat.adam_step_kept():
                 engine.optimizer.load_state_dict(loaded["optimizer"])
-        extra = load_trainer_state(directory, engine)
+        extra = load_trainer_state(directory, engine, rank=group_rank(engine.parallel.world_group),
+                                   world_size=engine.parallel.world_size)
     return extra

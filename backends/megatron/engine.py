@@ -31,7 +31,7 @@ with fallback_warnings_off():  # megatron warns at import that it falls back fro
     from .value_model import build_value_model
 from ...common.parallel.batching import MicroBatch
 from ...common.storage.checkpoints import critic_fingerprint
-from ...common.engine.config import EngineConfig, compute_dtype
+from ...common.engine.config import EngineConfig, compute_dtype, resolve_mixed_precision
 from ...common.parallel import kernels
 from ...common.parallel.distributed import DistContext, all_reduce, one_outcome
 from ...common.parallel.host_memory import large_allocations_returned
@@ -81,6 +81,7 @@ class MegatronCriticEngine(Offloadable):
         must span every process: megatron-core 0.16's dist_checkpointing gathers its metadata over
         the default group and writes it on global rank 0 (dist_checkpointing/validation.py,
         serialization.py), so checkpoints would wait on ranks outside a sub-world."""
+        config = resolve_mixed_precision(config, dist.device.type)  # built directly too, not only by build_engine
         check_engine_config("megatron", config)
         if mesh is not None:
             mesh.check_matches(config.parallel, who="the megatron engine")

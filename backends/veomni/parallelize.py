@@ -28,6 +28,11 @@ def mixed_precision_config(config: EngineConfig):
     return MixedPrecisionConfig(enable=False)
 
 
+ONE_RANK_OFFLOAD = ("engine.cpu_offload=true on veomni with one data-parallel rank: VeOmni offloads FSDP2 shards, "
+                    "and with one rank it runs without FSDP2; use 2 or more ranks, backend=fsdp (which offloads at "
+                    "one rank too), or engine.cpu_offload=false")
+
+
 def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
     """FSDP2 through VeOmni's build_parallelize_model over the ambient parallel state's shard mesh
     (mesh_state.py). The model is on meta: VeOmni materialises each rank's shards (uninitialised:
@@ -36,11 +41,8 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
     from veomni.distributed.torch_parallelize import build_parallelize_model
 
     offload = config.cpu_offload
-    if offload and (compat.cpu_mode() or not fsdp):
-        why = ("this run is on CPU already (it offloads GPU shards)" if compat.cpu_mode() else
-               "VeOmni offloads FSDP2 shards, which it uses with 2 or more ranks")
-        warnings.warn(f"engine.cpu_offload is ignored: {why}", stacklevel=3)
-        offload = False
+    if offload and not fsdp:  # check_layout refuses it first (where the world size is known)
+        raise ValueError(ONE_RANK_OFFLOAD)
     if not fsdp:
         if config.mixed_precision != "none":
             warnings.warn(f"engine.mixed_precision={config.mixed_precision} is ignored with one data-parallel rank: "
@@ -63,7 +65,10 @@ def parallelize(model: torch.nn.Module, config: EngineConfig, *, fsdp: bool):
         enable_gradient_checkpointing=config.gradient_checkpointing,
         enable_reentrant=False,
         basic_modules=fsdp_units(model),
+        # Honoured on CPU too (FSDP2's CPUOffloadPolicy: the plumbing a GPU run takes; nothing moves),
+        # as fsdp does; pinned host memory only where there is a GPU to copy to.
         enable_fsdp_offload=offload,
+        fsdp_offload_pin_memory=not compat.cpu_mode(),
     )
 
 

@@ -87,6 +87,10 @@ def check_layout(model_config, engine_config, world_size: int) -> None:
     process starts, and the engine calls it when it is built."""
     check_family_registered(model_config)
     ulysses.check_layout(model_config, engine_config, world_size)
+    if engine_config.cpu_offload and world_size is not None and world_size // engine_config.parallel.ulysses == 1:
+        from .parallelize import ONE_RANK_OFFLOAD
+
+        raise ValueError(ONE_RANK_OFFLOAD)
     if engine_config.parallel.ulysses > 1 and is_vision_critic(model_config):
         # VeOmni's Qwen-VL runs its vision tower on a dummy image in every forward, text rows too, and
         # that forward fails on the sequence-split inputs (split sizes of the whole row).

@@ -194,8 +194,9 @@ class CriticEngine(Protocol):
         gradients over the data-parallel ranks, so a loss normalised over the global batch carries a
         factor dp_size (a sequence-splitting degree's factor is the engine's own). Gradients
         accumulate until step_optimizer. loss_fn None: values only, no graph. Every data-parallel
-        rank calls it the same number of times. Returns (values detached, on every rank of the DP
-        rank's model-parallel group; the loss detached, or None). multi_modal_inputs: as compute_values'."""
+        rank calls it the same number of times. Returns (values detached, float32 [B, T] on the CPU, on
+        every rank of the DP rank's model-parallel group; the loss detached, a float32 scalar on the
+        CPU, or None). multi_modal_inputs: as compute_values'."""
         ...
 
     def step_optimizer(self) -> float:
@@ -211,8 +212,9 @@ class CriticEngine(Protocol):
                         extra_tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Write a checkpoint (atomic: a failed save leaves no `directory`) with model, optimizer,
         schedule, version and the engine's RNG, plus `extra_state` (JSON-able, e.g. the data position)
-        and `extra_tensors` (name -> tensor, e.g. a host's replay buffer: rank 0's are written, with
-        the checkpoint, atomically)."""
+        and `extra_tensors` (name -> tensor, e.g. a host's replay buffer, with the checkpoint,
+        atomically: every rank passes the same names; a tensor equal on every rank is written once, and
+        each rank's own is written where they differ)."""
         ...
 
     def checkpoint_bytes(self) -> int:
@@ -221,8 +223,9 @@ class CriticEngine(Protocol):
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore a checkpoint of the same critic (any data-parallel degree; megatron: any tensor
-        degree) and its version; returns its extra_state, with the saved extra tensors (on every
-        rank, on the CPU) under "extra_tensors" when there were any. The process's own RNG is left alone."""
+        degree) and its version; returns its extra_state, with this rank's saved extra tensors (on
+        the CPU; those each rank saved need the same number of ranks) under "extra_tensors" when there
+        were any. The process's own RNG is left alone."""
         ...
 
     def export_hf(self, directory: str, *, max_shard_size: int | str = "5GB") -> None:

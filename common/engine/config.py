@@ -17,7 +17,7 @@ from ..learning.loss import AGG_MODES
 from ..learning.gae import OFF_MASK_REWARDS, TIMESTEP_UNITS
 
 DTYPES = ("float32", "bfloat16")
-MIXED_PRECISION = ("none", "bf16")
+MIXED_PRECISION = ("auto", "none", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -274,6 +274,22 @@ class ParallelConfig:
         return " x ".join([*named, f"data parallel {data}"]) + hsdp + expert
 
 
+def resolve_mixed_precision(engine: "EngineConfig", device_type: str, *, honoured: bool = True) -> "EngineConfig":
+    """`engine` with mixed_precision "auto" resolved for the device its ranks compute on: bf16 on CUDA,
+    none elsewhere, and none on a backend that does not honour the knob (`honoured`); other values as
+    they are. build_engine and the job resolve it before anything is built or written."""
+    if engine.mixed_precision != "auto":
+        return engine
+    return dataclasses.replace(engine, mixed_precision="bf16" if device_type == "cuda" and honoured else "none")
+
+
+def precision_line(requested: str, resolved: str, device_type: str) -> str:
+    """The run's precision, said in its first lines: what engine.mixed_precision resolved to, and why."""
+    what = "bf16 mixed precision (fp32 gradient reduction and values)" if resolved == "bf16" else "fp32"
+    why = f"engine.mixed_precision=auto on {device_type}" if requested == "auto" else f"engine.mixed_precision={requested}"
+    return f"precision: {what} ({why}; auto is bf16 on CUDA, fp32 on CPU)"
+
+
 def compute_dtype(engine: "EngineConfig", *, mixed_precision_applies: bool = True):
     """The torch dtype the critic's matmuls and attention run in: bf16 with bf16 parameters, or
     under bf16 mixed precision where the engine applies it (`mixed_precision_applies`), else fp32
@@ -333,17 +349,18 @@ class EngineConfig:
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
-    mixed_precision: str = "none"
-    """none, or bf16: bf16 parameters and compute, fp32 gradient reduction, fp32 values. The fsdp
-    backend keeps the head in fp32; VeOmni applies one policy to every FSDP unit, so its head runs
-    in bf16 (values are cast to fp32 after it); megatron holds every parameter in bf16 (its
-    optimizer keeps fp32 main weights) and computes the head in fp32."""
+    mixed_precision: str = "auto"
+    """auto (bf16 where the ranks compute on CUDA, as every stack trains critics on GPUs; none on CPU:
+    resolve_mixed_precision), none, or bf16: bf16 parameters and compute, fp32 gradient reduction,
+    fp32 values. The fsdp backend keeps the head in fp32; VeOmni applies one policy to every FSDP
+    unit, so its head runs in bf16 (values are cast to fp32 after it); megatron holds every parameter
+    in bf16 (its optimizer keeps fp32 main weights) and computes the head in fp32."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
     cpu_offload: bool = False
     """Keep sharded parameters and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy). fsdp
-    applies it on every device (on CPU the same code runs and nothing moves); veomni ignores it,
-    with a warning, on CPU and with one rank, where it does not shard."""
+    applies it on every device and at any rank count (on CPU the same code runs and nothing moves);
+    veomni too with 2 or more data-parallel ranks, and refuses it with one (it runs without FSDP2 there)."""
     transforms: list[str] = dataclasses.field(default_factory=list)
     """Model transforms applied between loading the critic and parallelising it, in order
     (common/engine/transforms.py: freeze_embeddings, freeze_backbone, or one a host registered)."""

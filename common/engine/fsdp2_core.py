@@ -45,13 +45,14 @@ from ..storage.checkpoints import (
     check_extra,
     check_optimizer_kind,
     optimizer_kind,
+    gather_extra_tensors,
     load_trainer_state,
     save_trainer_state,
     staged_checkpoint,
     write_meta,
 )
-from .config import EngineConfig
-from ..parallel.distributed import DistContext, all_reduce, groups_time_out_after, one_outcome
+from .config import EngineConfig, resolve_mixed_precision
+from ..parallel.distributed import DistContext, all_reduce, group_rank, groups_time_out_after, one_outcome
 from . import RolloutBatch, check_batch_inputs, inputs_on_host, reports_version, shift_to_tokens
 from .mesh import ULYSSES, ParallelMesh
 from .offload import KINDS, Offloadable, needs_resident, require_resident, resident_during
@@ -116,6 +117,7 @@ class FSDP2Engine(Offloadable):
 
     @large_allocations_returned()  # the build's freed tensors go back to the system (host_memory.py)
     def __init__(self, config: EngineConfig, dist: DistContext, *, mesh: ParallelMesh | None = None):
+        config = resolve_mixed_precision(config, dist.device.type)  # built directly too, not only by build_engine
         check_engine_config(self.backend, config)
         self.config = config
         self.dist = dist
@@ -322,7 +324,8 @@ class FSDP2Engine(Offloadable):
         the global batch carries a factor dp_size (verl's agg_loss does; the Ulysses degree's factor
         is the engine's). Gradients accumulate
         until step_optimizer. loss_fn None: values only, no graph. Every data-parallel rank calls
-        it the same number of times. Returns (values, detached; the loss, detached, or None).
+        it the same number of times. Returns (values, detached, float32 on the CPU; the loss, detached
+        on the CPU, or None), as compute_values and megatron's return them (the engine contract).
         multi_modal_inputs: a vision critic's images, one dict or None per row."""
         train = loss_fn is not None
         require_resident(self, KINDS if train else ("model",), "forward_backward")
@@ -341,7 +344,7 @@ class FSDP2Engine(Offloadable):
                 (loss * (self.parallel.gradient_ranks // self.dp_size)).backward()
         if not train:
             self._settle()
-        return values.detach(), None if loss is None else loss.detach()
+        return values.detach().float().cpu(), None if loss is None else loss.detach().float().cpu()
 
     def zero_grad(self) -> None:
         """Drop the gradients forward_backward accumulated (step_optimizer does so after stepping)."""
@@ -380,11 +383,13 @@ class FSDP2Engine(Offloadable):
         state = {"model": self._model_state(),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}
         main = self.is_state_main
+        # Every rank's extra tensors to the writer (state_group spans every rank of an FSDP2 engine).
+        extra = gather_extra_tensors(extra_tensors, group=self.state_group)
         with staged_checkpoint(directory, is_main=main, group=self.state_group,
                                timeout_s=self.config.collective_timeout_s) as staging:
             dcp.save(state, checkpoint_id=staging, process_group=self.state_group)  # the ranks FSDP shards over
             if main:
-                save_trainer_state(staging, self, extra_state or {}, extra_tensors)
+                save_trainer_state(staging, self, extra_state or {}, extra)
                 write_meta(staging, self.fingerprint, world_size=self.shard_size, backend=self.backend,
                            optimizer_kind=optimizer_kind(self.config.optim))
 
@@ -407,7 +412,8 @@ class FSDP2Engine(Offloadable):
             dcp.load(state, checkpoint_id=directory, process_group=self.state_group)
             set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-            extra = load_trainer_state(directory, self)
+            extra = load_trainer_state(directory, self, rank=group_rank(self.state_group),
+                                       world_size=self.parallel.world_size)
         return extra
 
     def checkpoint_bytes(self) -> int:

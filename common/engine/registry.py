@@ -16,7 +16,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-from .config import EngineConfig, ModelConfig, ParallelConfig
+from .config import EngineConfig, ModelConfig, ParallelConfig, resolve_mixed_precision
 
 # The package this tree is imported as: critic_adapters, or wherever a stack vendored it.
 PACKAGE_ROOT = __package__.removesuffix("common.engine").removesuffix(".")
@@ -26,7 +26,7 @@ PARALLEL_DIMS = ("tensor", "pipeline", "sequence_parallel", "context", "ulysses"
 # Engine settings only some backends honour (dotted under engine.), with their neutral values: one
 # set away from it on a backend that ignores it is an error, never silently dropped.
 OPTIONAL_KNOBS: dict[str, object] = {
-    "mixed_precision": "none",
+    "mixed_precision": "none",  # "auto" resolves to none on a backend that does not honour it
     "gradient_checkpointing": False,
     "cpu_offload": False,
     "model.attn_implementation": None,
@@ -183,7 +183,7 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
                             + (f"; {name}: {why})" if why else ")"))
     for knob, neutral in OPTIONAL_KNOBS.items():
         value = _knob_value(engine, knob)
-        if value != neutral and knob not in spec.knobs:
+        if value != neutral and knob not in spec.knobs and not (knob == "mixed_precision" and value == "auto"):
             others = backends_with(knob=knob)
             where = f"backend={' or backend='.join(others)}" if others else "no registered backend"
             why = dict(spec.unsupported).get(knob)
@@ -295,8 +295,11 @@ def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
     config: the EngineConfig (common/engine/config.py; every field has a default).
     dist: this process's DistContext, from common.parallel.distributed.init_distributed() (it joins the
       torchrun group, or makes a world of one), called once per process before any engine is built.
-    Refuses parallel degrees and knobs the backend does not implement (check_engine_config) before
-    anything is built. Close the engine (engine.close()) before common.parallel.distributed.shutdown().
+    engine.mixed_precision=auto is resolved for dist's device first (bf16 on CUDA where the backend
+    honours it, else none). Refuses parallel degrees and knobs the backend does not implement
+    (check_engine_config) before anything is built. Close the engine (engine.close()) before common.parallel.distributed.shutdown().
     """
+    spec = backend_spec(backend)
+    config = resolve_mixed_precision(config, dist.device.type, honoured="mixed_precision" in spec.knobs)
     check_engine_config(backend, config)
-    return resolve(backend_spec(backend).factory)(config, dist, **kwargs)
+    return resolve(spec.factory)(config, dist, **kwargs)

@@ -123,6 +123,8 @@ def check_run(config: TrainConfig, *, in_use: bool = True) -> ResumePoint | None
     changes = config_changes(saved, config)
     if config.engine.optim.total_steps is None:  # the saved value is what this run resolved it to
         changes = [c for c in changes if c[0] != "engine.optim.total_steps"]
+    if config.engine.mixed_precision == "auto":  # resolved where the ranks' device is known (the trainer)
+        changes = [c for c in changes if c[0] != "engine.mixed_precision"]
     fixed = [c for c in changes if c[0] not in CHANGEABLE_ON_RESUME]
     if fixed:
         listed = "; ".join(f"{key}: {old!r} in the run, {new!r} now" for key, old, new in fixed)

@@ -23,14 +23,14 @@ import torch
 
 from ..storage import checkpoints
 from ..storage.checkpoints import EXTRA_TENSORS
-from ..engine.config import TrainConfig, to_yaml
+from ..engine.config import TrainConfig, precision_line, resolve_mixed_precision, to_yaml
 from ..learning.data import (Rollouts, gae, make_default_records, read_records, split_held_out, to_rollouts,
                              validate_records)
 from ..learning.multi_turn import make_multi_turn_records
 from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
-from ..engine.registry import build_engine
+from ..engine.registry import backend_spec, build_engine
 from ..engine.optimizers import optimizer_line
 from ..valuehead.multimodal import select
 from ..learning.loss import explained_variance
@@ -231,12 +231,16 @@ def _batch(rollouts: Rollouts, index: torch.Tensor) -> RolloutBatch:
 
 
 def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_builder=None,
-                 world_size: int | None = None) -> dict[str, float]:
+                 world_size: int | None = None, device_type: str | None = None) -> dict[str, float]:
     """The training job. SPMD under torchrun: every rank runs this with its own `dist` and engine.
     Driven from one process instead (integrations/ray: a RayCriticGroup), `dist` is that process's
     world of one and `engine_builder(engine_config)` returns the engine it drives (the group, which
     looks like one data-parallel rank holding every row); `world_size` is then the group's size,
-    for the layout checks."""
+    for the layout checks, and `device_type` the engine ranks' device (default: dist's), which
+    engine.mixed_precision=auto resolves for."""
+    requested = config.engine.mixed_precision
+    device_type = device_type or dist.device.type
+    config = resolved_config(config, device_type)
     trainer = config.trainer
     world_size = world_size or dist.world_size
     run_dir = os.path.abspath(trainer.run_dir)
@@ -247,6 +251,7 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
 
         say = tqdm.write  # prints above the progress bar instead of through it
     say = say if main else (lambda *a, **k: None)
+    say(precision_line(requested, config.engine.mixed_precision, device_type))
     # The job's plan, read-only (a refused run changes nothing in run_dir), by the functions the
     # launcher planned it with: the layout and the backend's refusals, the checkpoint read once, the
     # run directory (a run in progress there named first). Every rank makes it and all agree on the
@@ -294,6 +299,13 @@ def run_training(config: TrainConfig, dist: DistContext, *, say=None, engine_bui
                           refresh=refresh, critic_config=plan.model.critic_config)
         finally:
             engine.close()
+
+
+def resolved_config(config: TrainConfig, device_type: str) -> TrainConfig:
+    """The job's config with engine.mixed_precision=auto resolved for the engine ranks' device (what
+    config.yaml records, and a resume compares against)."""
+    honoured = "mixed_precision" in backend_spec(config.backend).knobs
+    return dataclasses.replace(config, engine=resolve_mixed_precision(config.engine, device_type, honoured=honoured))
 
 
 def say_resume(plan: JobPlan, say) -> None:
@@ -601,6 +613,8 @@ def dry_run(plan: JobPlan, *, say=print) -> None:
     config = plan.config
     say(f"{plan.layout_line()}{f', {plan.processes_note}' if plan.processes_note else ''}; the dry run itself runs "
         f"in this one process")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # what the launch's workers on this machine take
+    say(precision_line(config.engine.mixed_precision, resolved_config(config, device).engine.mixed_precision, device))
     if plan.resume is not None:
         resume = plan.resume
         say(f"resume: from {resume.latest} (the critic, its optimizer and the data position come from the "

@@ -154,6 +154,21 @@ def all_gather_object(obj, *, group) -> list:
     return gathered
 
 
+def group_rank(group) -> int:
+    """This rank's index within `group` (0 in a world of one)."""
+    return dist.get_rank(group) if _active(group) else 0
+
+
+def gather_object(obj, dst: int = 0, *, group) -> list | None:
+    """Every rank's `obj`, in rank order, on the rank whose index within `group` is `dst`; None elsewhere."""
+    if not _active(group):
+        return [obj]
+    main = dist.get_rank(group) == dst
+    gathered = [None] * dist.get_world_size(group) if main else None
+    dist.gather_object(obj, gathered, dst=dist.get_global_rank(group, dst), group=group)
+    return gathered
+
+
 def sendable_error(err: BaseException) -> BaseException:
     """`err` itself when it pickles (to raise it on other ranks), else a RuntimeError naming it."""
     try:

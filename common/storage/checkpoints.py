@@ -17,6 +17,7 @@ and they refuse its: move between them through hf_export).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,7 +30,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .atomic_dir import commit_staging_dir, make_staging_dir
-from ..parallel.distributed import agree_on_failure, barrier, broadcast_object
+from ..parallel.distributed import (agree_on_failure, all_gather_object, barrier, broadcast_object, gather_object,
+                                    group_rank)
 from ..learning.hl_gauss import HLGaussSupport, describe, support_of
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -115,13 +117,69 @@ TRAINER_STATE = "trainer_state.pt"
 EXTRA_TENSORS = "extra_tensors"  # the key of load_checkpoint's result that holds the saved extra tensors
 
 
-def save_trainer_state(staging: str, engine, extra_state: dict, extra_tensors: dict | None = None) -> None:
+PER_RANK = "extra_tensors_per_rank"  # trainer_state.pt: {"world_size": N, "ranks": [{name: tensor}, ...]}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExtraTensors:
+    """A save's extra tensors, as the writing rank holds them: those equal on every rank (once), and
+    each rank's own where they differ (a replay buffer sharded over data-parallel ranks)."""
+
+    shared: dict
+    per_rank: list | None = None
+    """[rank r's {name: tensor}] for the names that differ between ranks (None: no name does)."""
+
+
+def _digest(tensor: torch.Tensor) -> tuple:
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    return tuple(tensor.shape), str(tensor.dtype), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def gather_extra_tensors(extra_tensors: dict | None, *, group, dst: int = 0) -> ExtraTensors | None:
+    """The ranks' extra tensors for the writer (the rank of index `dst` in `group`, every rank of the
+    engine; collective, before anything is written): a name whose tensor is the same on every rank is
+    kept once, and each rank's own is kept where they differ: nothing is dropped. Ranks that pass
+    different names are refused on every rank alike. None on the other ranks."""
+    local = {name: tensor.detach().cpu() for name, tensor in (extra_tensors or {}).items()}
+    digests = all_gather_object({name: _digest(t) for name, t in local.items()}, group=group)
+    names = [sorted(d) for d in digests]
+    if any(n != names[0] for n in names):
+        listed = "; ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+        raise ValueError(f"save_checkpoint: every rank must pass the same extra_tensors names (each its own "
+                         f"tensors); got {listed}")
+    differ = sorted(name for name in names[0] if any(d[name] != digests[0][name] for d in digests))
+    own = gather_object({name: local[name] for name in differ}, dst, group=group) if differ else None
+    if group_rank(group) != dst:
+        return None
+    return ExtraTensors({name: t for name, t in local.items() if name not in differ}, own)
+
+
+def save_trainer_state(staging: str, engine, extra_state: dict, extra_tensors: ExtraTensors | None = None) -> None:
     """The engine's LR schedule, own RNG and version (optimizer steps taken) plus the caller's extra
-    state and extra tensors (a host's replay buffer, say: rank 0's, on the host) (rank 0 writes it)."""
-    torch.save({"scheduler": engine.scheduler.state_dict(), "rng": engine.generator.get_state(),
-                "version": engine.version, "extra": extra_state,
-                EXTRA_TENSORS: {name: tensor.detach().cpu() for name, tensor in (extra_tensors or {}).items()}},
-               os.path.join(staging, TRAINER_STATE))
+    state and extra tensors (gather_extra_tensors: a host's replay buffer, say, each rank's own kept)
+    (the writer writes it)."""
+    extra_tensors = extra_tensors or ExtraTensors({})
+    state = {"scheduler": engine.scheduler.state_dict(), "rng": engine.generator.get_state(),
+             "version": engine.version, "extra": extra_state, EXTRA_TENSORS: extra_tensors.shared}
+    if extra_tensors.per_rank is not None:
+        state[PER_RANK] = {"world_size": len(extra_tensors.per_rank), "ranks": extra_tensors.per_rank}
+    torch.save(state, os.path.join(staging, TRAINER_STATE))
+
+
+def extra_tensors_for(state: dict, rank: int, world_size: int, directory: str) -> dict:
+    """This rank's extra tensors from a trainer state: those saved once, and its own of those each rank
+    saved (the checkpoint's world size must be this one's then: ValueError naming them otherwise)."""
+    tensors = dict(state.get(EXTRA_TENSORS) or {})
+    per_rank = state.get(PER_RANK)
+    if per_rank is not None:
+        if per_rank["world_size"] != world_size:
+            names = sorted(per_rank["ranks"][0])
+            raise ValueError(f"{directory}: the extra tensors {names} were saved by each of {per_rank['world_size']} "
+                             f"ranks (they differed between ranks), and this engine has {world_size}: load it on "
+                             f"{per_rank['world_size']} ranks, or redistribute them yourself from "
+                             f"{os.path.join(directory, TRAINER_STATE)}['{PER_RANK}']")
+        tensors.update(per_rank["ranks"][rank])
+    return tensors
 
 
 def check_extra(extra_state: dict | None, extra_tensors: dict | None) -> None:
@@ -154,18 +212,19 @@ def check_optimizer_kind(directory: str, meta: dict, optim) -> None:
                          f"with {saved}, or start a new run from its hf_export (the optimizer state does not convert)")
 
 
-def load_trainer_state(directory: str, engine) -> dict:
+def load_trainer_state(directory: str, engine, *, rank: int = 0, world_size: int = 1) -> dict:
     """Restore what save_trainer_state wrote into `engine` (a checkpoint from before versions were saved
-    resumes at its schedule's step count); returns the extra state, with the extra tensors, when any
-    were saved, under "extra_tensors"."""
+    resumes at its schedule's step count); returns the extra state, with the extra tensors of this
+    rank (`rank` of `world_size`: extra_tensors_for), when any were saved, under "extra_tensors"."""
     state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=True)
+    tensors = extra_tensors_for(state, rank, world_size, directory)  # refused before anything is restored
     engine.scheduler.load_state_dict(state["scheduler"])
     engine.generator.set_state(state["rng"])
     schedule = state["scheduler"]
     engine.version = int(state.get("version", schedule.get("last_epoch", schedule.get("step_count", 0))))
     extra = dict(state["extra"])
-    if state.get(EXTRA_TENSORS):
-        extra[EXTRA_TENSORS] = state[EXTRA_TENSORS]
+    if tensors:
+        extra[EXTRA_TENSORS] = tensors
     return extra
 
 

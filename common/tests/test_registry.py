@@ -1,9 +1,13 @@
 """Backend specs: what a backend implements is declared once, in its registry entry, and every
 check and hint reads it; a host stack registers its own backend without editing the package."""
 
-import pytest
+import dataclasses
 
-from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+import pytest
+import torch
+
+from critic_adapters.common.engine.config import (EngineConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                                  resolve_mixed_precision)
 from critic_adapters.common.parallel.distributed import init_distributed
 from critic_adapters.common.engine.registry import (
     BACKENDS,
@@ -36,9 +40,35 @@ def toy():
 def test_a_backend_registered_from_outside_is_built_and_checked_by_its_spec(toy):
     config = EngineConfig(model=ModelConfig(path="unused"), parallel=ParallelConfig(tensor=2), cpu_offload=True)
     engine = build_engine(toy, config, init_distributed())
-    assert isinstance(engine, ToyEngine) and engine.config is config
+    # engine.mixed_precision=auto resolved (none: the toy does not honour it), nothing else changed
+    assert isinstance(engine, ToyEngine) and engine.config == dataclasses.replace(config, mixed_precision="none")
     with pytest.raises(ValueError, match=r"engine\.parallel\.tensor=2 \(offered by backend=megatron or backend=toy\)"):
         check_engine_config("fsdp", config)
+
+
+def test_mixed_precision_defaults_to_bf16_on_cuda_and_fp32_on_cpu_on_every_backend_that_honours_it(toy):
+    """issue 49: engine.mixed_precision=auto (the default) is bf16 where the ranks compute on CUDA, as every
+    stack trains critics on GPUs, and none on CPU; an explicit value stays; a backend without the knob
+    (the toy) gets none, so the default is never refused."""
+    class Dist:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    assert EngineConfig().mixed_precision == "auto"
+    for backend in ("fsdp", "megatron", "veomni"):
+        assert "mixed_precision" in backend_spec(backend).knobs
+    for device, expected in (("cuda", "bf16"), ("cpu", "none")):
+        assert resolve_mixed_precision(EngineConfig(), device).mixed_precision == expected
+        assert build_engine(toy, EngineConfig(), Dist(device)).config.mixed_precision == "none"
+    register_backend("toy_bf16", BackendSpec(factory=f"{__name__}:ToyEngine", knobs=frozenset({"mixed_precision"})))
+    try:
+        assert build_engine("toy_bf16", EngineConfig(), Dist("cuda")).config.mixed_precision == "bf16"
+        assert build_engine("toy_bf16", EngineConfig(), Dist("cpu")).config.mixed_precision == "none"
+        assert build_engine("toy_bf16", EngineConfig(mixed_precision="none"), Dist("cuda")).config.mixed_precision == "none"
+        assert build_engine("toy_bf16", EngineConfig(mixed_precision="bf16"), Dist("cpu")).config.mixed_precision == "bf16"
+    finally:
+        unregister_backend("toy_bf16")
+    check_engine_config(toy, EngineConfig())  # auto is never a knob the toy ignores
 
 
 def test_knobs_a_backend_ignores_are_errors_naming_the_backends_that_honour_them():

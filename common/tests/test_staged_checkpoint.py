@@ -38,5 +38,22 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, raised, expected
     assert (target / "data").read_text() == "newer"
 
 
+def test_extra_tensors_each_rank_saved_come_back_to_that_rank_and_only_at_that_world_size():
+    """issue 49: what gather_extra_tensors keeps (one rank here: nothing differs) and what each rank gets back."""
+    import torch
+
+    kept = checkpoints.gather_extra_tensors({"step": torch.tensor(5)}, group=None)
+    assert kept.per_rank is None and torch.equal(kept.shared["step"], torch.tensor(5))
+    state = {checkpoints.EXTRA_TENSORS: {"step": torch.tensor(5)},
+             checkpoints.PER_RANK: {"world_size": 2, "ranks": [{"replay": torch.zeros(2)}, {"replay": torch.ones(2)}]}}
+    for rank in (0, 1):
+        got = checkpoints.extra_tensors_for(state, rank, 2, "ckpt")
+        assert sorted(got) == ["replay", "step"] and torch.equal(got["replay"], torch.full((2,), float(rank)))
+    with pytest.raises(ValueError, match=r"ckpt: the extra tensors \['replay'\] were saved by each of 2 ranks .*this "
+                                         r"engine has 4: load it on 2 ranks"):
+        checkpoints.extra_tensors_for(state, 0, 4, "ckpt")
+    assert checkpoints.extra_tensors_for({checkpoints.EXTRA_TENSORS: {}}, 3, 4, "ckpt") == {}
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

@@ -55,7 +55,8 @@ def run_on_ray_group(args: argparse.Namespace, config) -> int:
     try:
         ensure_ray(args.address)
         check_fits(num_workers, resources)  # before run_dir is written
-        run_training(config, driver, engine_builder=group, world_size=num_workers)
+        run_training(config, driver, engine_builder=group, world_size=num_workers,
+                     device_type="cuda" if gpus else "cpu")  # the actors' device, not the driver's
     except BaseException as err:  # noqa: BLE001 - reported as the torchrun job reports it
         return fail(err, None)
     finally:

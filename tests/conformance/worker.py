@@ -292,7 +292,10 @@ def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
 
     engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
     engine.zero_grad()
-    _, loss = engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
+    trained, loss = engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
+    # The contract's form (issue 49: fsdp and VeOmni returned them on the device, megatron on the CPU).
+    out["returned"] = [str(t.device.type) + " " + str(t.dtype) + (" grad" if t.requires_grad else "")
+                       for t in (values, trained, loss)]
     out["loss"] = float(loss)
     out["grad_norm"] = engine.step_optimizer()
     engine.scheduler.step()
@@ -489,9 +492,10 @@ def main() -> None:
     out["after_nan_loss"] = metrics["value_loss"]
     out["metrics_keys"] = sorted(metrics)
     resumed_dir = os.path.join(workdir, "after_update")
-    # A host's replay buffer saved with the checkpoint (each rank passes its own: rank 0's are kept).
+    # A host's replay buffer saved with the checkpoint: each rank passes its own shard ("replay",
+    # "ages") and a tensor every rank has alike ("step"); each rank gets its own back (issue 49).
     buffer = {"replay": torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * dist.rank,
-              "ages": torch.tensor([3, 1], dtype=torch.int64) + dist.rank}
+              "ages": torch.tensor([3, 1], dtype=torch.int64) + dist.rank, "step": torch.tensor(5)}
     engine.save_checkpoint(resumed_dir, {"position": 7}, extra_tensors=buffer)
     values, values_version = engine.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask,
                                                    return_version=True)
@@ -513,9 +517,8 @@ def main() -> None:
     extra = second.load_checkpoint(resumed_dir)
     saved = extra.pop("extra_tensors", {})
     out["version"]["resumed"] = second.version
-    out["extra"] = {"state": extra, "tensors_equal_rank0s": sorted(saved) == ["ages", "replay"] and torch.equal(
-        saved["replay"], torch.arange(6, dtype=torch.float64).reshape(2, 3)) and torch.equal(
-        saved["ages"], torch.tensor([3, 1])), "tensors": {k: v.tolist() for k, v in saved.items()}}
+    out["extra"] = {"state": extra, "tensors_are_this_ranks": sorted(saved) == sorted(buffer) and all(
+        torch.equal(saved[name], buffer[name]) for name in buffer), "tensors": {k: v.tolist() for k, v in saved.items()}}
     resumed = second.compute_values(rollout(dist.rank).input_ids, rollout(dist.rank).attention_mask)
     out["resume_values_diff"] = float((resumed - values).abs().max())
     out["resumed_next_update"] = _update_and_values(second, dist.rank)

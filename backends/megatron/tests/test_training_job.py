@@ -52,6 +52,9 @@ def test_the_job_learns_and_a_killed_run_resumes_identically_and_at_another_tens
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines()[0].startswith("starting 2 processes, the engine.parallel layout's"), result.stdout
     assert "over 1 data-parallel rank(s)" in result.stdout  # 2 processes, one TP pair
+    # The precision default said, and recorded resolved: bf16 on CUDA, fp32 here on CPU (issue 49).
+    assert "precision: fp32 (engine.mixed_precision=auto on cpu; auto is bf16 on CUDA" in result.stdout, result.stdout
+    assert "  mixed_precision: none\n" in (whole / "config.yaml").read_text()
     assert final_explained_variance(result.stdout) >= 0.5
     losses = [r["value_loss"] for r in read_metrics(str(whole / "metrics.jsonl")) if r["split"] == "train"]
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10, "value loss did not go down"

@@ -5,6 +5,7 @@
 Rank 0 writes the values it sees to WORKDIR/<mode>-world<N>.pt.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -14,6 +15,13 @@ from critic_adapters.backends.veomni.tests.worker_common import gather_rows, qui
 from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig
 from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 from critic_adapters.common.engine import build_engine
+
+
+def offload_policies(model: torch.nn.Module) -> list[str]:
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
 
 
 def main():
@@ -35,6 +43,14 @@ def main():
         engine.export_hf(os.path.join(workdir, "hf_export"))
         engine.update(batch)
         out["continued"] = values()
+        engine.close()
+        # engine.cpu_offload at 2 ranks, on CPU as on a GPU (issue 49: VeOmni ignored it on CPU): FSDP2's
+        # CPUOffloadPolicy on every unit, and the same 3 steps to the same values.
+        with quiet():
+            engine = build_engine("veomni", dataclasses.replace(config, cpu_offload=True), dist)
+        out["offload_policies"] = offload_policies(engine.model)
+        out["offload_losses"] = [engine.update(batch)["value_loss"] for _ in range(3)]
+        out["offload_values"] = values()
     elif mode == "load-continue":
         out["extra"] = engine.load_checkpoint(checkpoint)
         out["loaded"] = values()

@@ -26,6 +26,23 @@ def saved(tmp_path_factory):
     return root, model_dir, data, torch.load(root / "train-save-world2.pt")
 
 
+def test_cpu_offload_is_honoured_on_cpu_at_two_ranks_and_changes_no_number(saved):
+    """issue 49: VeOmni ignored engine.cpu_offload on CPU; it applies FSDP2's CPUOffloadPolicy there as
+    fsdp does (the plumbing a GPU run takes), and the run takes the same steps; one rank is refused by name."""
+    from critic_adapters.backends.veomni.value_model import check_layout
+    from critic_adapters.common.engine.config import EngineConfig
+    from critic_adapters.common.testdata import tiny_config
+    from critic_adapters.common.valuehead import critic_config
+
+    _, _, _, result = saved
+    assert result["offload_policies"] == ["CPUOffloadPolicy"], result["offload_policies"]
+    assert result["offload_losses"] == pytest.approx(result["losses"], rel=1e-6)
+    assert (result["offload_values"] - result["saved"]).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="engine.cpu_offload=true on veomni with one data-parallel rank"):
+        check_layout(critic_config(tiny_config("qwen2")), EngineConfig(cpu_offload=True), 1)
+    check_layout(critic_config(tiny_config("qwen2")), EngineConfig(cpu_offload=True), 2)
+
+
 def test_two_rank_checkpoint_loads_on_one_rank(saved):
     root, model_dir, data, before = saved
     assert before["losses"][-1] < before["losses"][0]  # two-rank training lowers the loss
