@@ -489,5 +489,20 @@ def test_13_the_nan_hint_names_the_real_module():
         check_model_values(torch.tensor([[0.0, float("nan")]]), torch.tensor([[0, 1]]), TrainConfig(), "values")
 
 
+
+def test_a_job_too_short_for_its_data_says_what_to_change(tmp_path):
+    """issue 49: 300 rollouts at the default job's epochs and mini-batch take 20 optimizer steps (a tour's
+    agentic set learned nothing there): the dry run (and the run's first lines) say so, with settings that
+    take a few hundred; following them, or the default job's 2048 rollouts, no warning."""
+    run_dir = f"trainer.run_dir={tmp_path / 'run'}"
+    short = launch(FSDP, "--dry-run", "data.num_rollouts=300", run_dir)
+    assert short.returncode == 0, short.stderr[-2000:]
+    assert ("warning: only 20 optimizer steps (270 train rollouts / data.mini_batch_size=64 = 5 per epoch, x "
+            "trainer.epochs=4): a critic needs a few hundred to learn; for this data set use e.g. "
+            "data.mini_batch_size=16 trainer.epochs=15") in short.stdout, short.stdout
+    for settings in (("data.num_rollouts=300", "data.mini_batch_size=16", "trainer.epochs=15"), ()):
+        fine = launch(FSDP, "--dry-run", *settings, run_dir)
+        assert fine.returncode == 0 and "optimizer steps" not in fine.stdout, fine.stdout
+
 if __name__ == "__main__":
     run_pytest(__file__)

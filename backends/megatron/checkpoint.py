@@ -129,7 +129,7 @@ def load_checkpoint(directory: str, engine) -> dict:
         check_optimizer(directory, meta, engine.config.optim.distributed_optimizer)
         check_optimizer_kind(directory, meta, engine.config.optim)
     with agreed(f"loading checkpoint {directory}"):
-        with compat.cuda_to_cpu():
+        with compat.cuda_to_cpu(), compat.library_deprecations_quiet():
             state = _sharded_state(engine.model, engine.optimizer, is_loading=True)
             loaded = dist_checkpointing.load(state, directory)
             engine.model.module.load_state_dict(loaded["model"], strict=False)

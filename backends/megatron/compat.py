@@ -6,9 +6,10 @@ engine using them closes), and `cuda_to_cpu()` is a context manager for the code
 that allocate with `device="cuda"` (optimizer construction and step, the pipeline schedules).
 Both do nothing when CUDA is available (on GPU this backend runs plain megatron-core), but for one
 name megatron's MoE router needs whenever TransformerEngine is absent (_without_te_shims).
-Two contexts around checkpointing apply on every device and sit at the end: in_process_save_results
-(no multiprocessing Manager for a synchronous save) and adam_step_kept (a load fault with torch's
-Adam, which a GPU without TransformerEngine or Apex runs too).
+Three contexts around checkpointing apply on every device and sit at the end: in_process_save_results
+(no multiprocessing Manager for a synchronous save), adam_step_kept (a load fault with torch's
+Adam, which a GPU without TransformerEngine or Apex runs too) and library_deprecations_quiet (the
+load's FutureWarnings about torch APIs megatron-core itself calls).
 
 The shims, and why each exists (in megatron-core 0.16.1):
   1. RNG tracker: `model_parallel_cuda_manual_seed` uses torch.cuda RNG states, and every attention
@@ -41,6 +42,8 @@ The shims, and why each exists (in megatron-core 0.16.1):
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -157,8 +160,6 @@ _FALLBACK_NOTICES = (r"Transformer Engine and Apex are not installed", r"Apex is
 def fallback_warnings_off():
     """Around the first import of megatron-core's modules: its Apex / TE fallback UserWarnings off
     (only those; the warning filters are restored after the block)."""
-    import warnings
-
     with warnings.catch_warnings():
         for notice in _FALLBACK_NOTICES:
             warnings.filterwarnings("ignore", message=notice, category=UserWarning)
@@ -176,8 +177,6 @@ _STEP_NOTICES = ((FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|
 def step_notices_off():
     """Around our calls into megatron's schedule and optimizer: those notices off (only those; the
     warning filters are restored after the block, nothing process-wide)."""
-    import warnings
-
     with warnings.catch_warnings():
         for category, notice in _STEP_NOTICES:
             warnings.filterwarnings("ignore", message=notice, category=category)
@@ -363,3 +362,20 @@ def adam_step_kept():
         yield
     finally:
         cls._set_main_param_and_optimizer_states = original
+
+
+# What megatron-core 0.16.1's dist_checkpointing load says about torch's own deprecations (its torch
+# strategy calls torch.distributed.checkpoint.load_state_dict and builds ShardedTensors): nothing a
+# user can act on, printed on every load. Only these two, only inside the load.
+_LIBRARY_DEPRECATIONS = ("`load_state_dict` is deprecated and will be removed in future versions",
+                         "Please use DTensor instead and we are deprecating ShardedTensor")
+
+
+@contextlib.contextmanager
+def library_deprecations_quiet():
+    """Around dist_checkpointing.load: megatron-core's own FutureWarnings about torch APIs it uses
+    (_LIBRARY_DEPRECATIONS) are not shown; every other warning is. The filters are restored after."""
+    with warnings.catch_warnings():
+        for message in _LIBRARY_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning)
+        yield

@@ -173,7 +173,7 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
     """ValueError naming every parallel degree `name` does not implement and every knob it would
     ignore, with the registered backends that do; before any process group or model exists."""
     spec = backend_spec(name)
-    problems = []
+    problems, knob_problems = [], []
     for dim, value in _set_dims(engine.parallel).items():
         if dim not in spec.parallel_dims:
             others = backends_with(dim=dim)
@@ -187,17 +187,23 @@ def check_engine_config(name: str, engine: EngineConfig) -> None:
             others = backends_with(knob=knob)
             where = f"backend={' or backend='.join(others)}" if others else "no registered backend"
             why = dict(spec.unsupported).get(knob)
-            problems.append(f"engine.{knob}={value} (honoured by {where}" + (f"; {name}: {why})" if why else ")"))
+            knob_problems.append(f"engine.{knob}={value} (honoured by {where}" + (f"; {name}: {why})" if why else ")"))
     if engine.transforms and "transforms" in spec.knobs:
         from .transforms import check_transforms
 
         check_transforms(engine.transforms)
-    if problems:
-        offers = ("data parallel and " + ", ".join(f"engine.parallel.{dim}" for dim in sorted(spec.parallel_dims))
-                  if spec.parallel_dims else "data parallel only")
-        keys = "the key" if len(problems) == 1 else "those keys"
-        raise ValueError(f"the {name} backend does not implement {'; '.join(problems)}; it offers {offers}: unset "
-                         f"{keys}, or choose a backend that offers {'it' if len(problems) == 1 else 'them'}")
+    if problems or knob_problems:
+        # What it offers, of the kind asked about: its parallel dimensions for a layout, its knobs for a setting.
+        offers = []
+        if problems:
+            offers.append("data parallel and " + ", ".join(f"engine.parallel.{dim}" for dim in sorted(spec.parallel_dims))
+                          if spec.parallel_dims else "data parallel only")
+        if knob_problems:
+            offers.append(", ".join(f"engine.{knob}" for knob in sorted(spec.knobs)) if spec.knobs else "no optional setting")
+        every = problems + knob_problems
+        keys = "the key" if len(every) == 1 else "those keys"
+        raise ValueError(f"the {name} backend does not implement {'; '.join(every)}; it offers {'; and '.join(offers)}: "
+                         f"unset {keys}, or choose a backend that offers {'it' if len(every) == 1 else 'them'}")
 
 
 def backends_for_family(model_type: str, *, besides: str | None = None) -> list[str]:

@@ -49,17 +49,25 @@ def tiny_config(family: str) -> PretrainedConfig:
     return CONFIG_MAPPING[fields.pop("model_type")](**fields)
 
 
-def tiny_causal_lm(family: str, seed: int = 0) -> torch.nn.Module:
-    """A random causal LM (a VLM for VLM families), deterministic for a given seed."""
+def tiny_causal_lm(family: str, seed: int = 0, vocab_size: int | None = None) -> torch.nn.Module:
+    """A random causal LM (a VLM for VLM families), deterministic for a given seed; `vocab_size` (at
+    least the tiny config's own, whose special and image token ids sit below it) gives it a real
+    tokenizer's vocabulary."""
     config = tiny_config(family)
+    if vocab_size is not None:
+        text = config.get_text_config()
+        if vocab_size < text.vocab_size:
+            raise ValueError(f"vocab_size={vocab_size}: the tiny {family} model needs at least {text.vocab_size} ids "
+                             f"(its special and image token ids sit below that); give your tokenizer's vocabulary size")
+        text.vocab_size = vocab_size
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if family in VLM_FAMILIES else AutoModelForCausalLM
     return auto.from_config(config).eval()
 
 
-def save_tiny_causal_lm(family: str, out_dir: str, seed: int = 0) -> str:
+def save_tiny_causal_lm(family: str, out_dir: str, seed: int = 0, vocab_size: int | None = None) -> str:
     from ..valuehead._quiet import quiet_transformers
 
     with quiet_transformers():
-        tiny_causal_lm(family, seed).save_pretrained(out_dir)
+        tiny_causal_lm(family, seed, vocab_size).save_pretrained(out_dir)
     return out_dir

@@ -29,6 +29,19 @@ def test_demo_onto_a_non_empty_directory_is_refused(tmp_path, capsys):
     assert tree_snapshot(out) == before
 
 
+def test_demo_makes_a_tiny_critic_with_a_real_tokenizers_vocabulary(tmp_path, capsys):
+    """issue 49: a tiny model whose vocabulary is a real tokenizer's (Qwen2's 151936 ids), so real token
+    ids fit, for a job's engine.model.path; smaller than the tiny config's own is refused, nothing written."""
+    out = tmp_path / "tiny"
+    assert cli(["demo", str(out), "--vocab-size", "151936"]) == 0
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 151936
+    assert cli(["values", str(out), "--tokens", "151643 42 151645"]) == 0  # Qwen2's <|endoftext|>, <|im_end|>
+    assert "values" in capsys.readouterr().out
+    assert cli(["demo", str(tmp_path / "small"), "--vocab-size", "10"]) == 2
+    assert "the tiny qwen2 model needs at least 1000 ids" in capsys.readouterr().err
+    assert not (tmp_path / "small").exists()
+
+
 def test_convert_onto_a_read_only_destination_is_refused_before_loading(tmp_path, capsys, monkeypatch):
     src, _ = build.trl_value_head(str(tmp_path / "src"))
     parent = tmp_path / "ro"

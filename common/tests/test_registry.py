@@ -81,6 +81,19 @@ def test_knobs_a_backend_ignores_are_errors_naming_the_backends_that_honour_them
     check_engine_config("megatron", EngineConfig(transforms=["freeze_backbone"]))  # freezing works there too
 
 
+def test_a_refused_setting_is_answered_with_the_settings_the_backend_honours_not_its_layouts():
+    """issue 49: an optimizer key refused by megatron listed its parallel dimensions, not the question asked."""
+    with pytest.raises(ValueError) as refused:
+        check_engine_config("megatron", EngineConfig(optim=OptimConfig(name="muon")))
+    message = str(refused.value)
+    assert "engine.optim.name=muon (honoured by backend=fsdp or backend=veomni" in message
+    assert "it offers engine.gradient_checkpointing, engine.lora.rank" in message and "engine.parallel" not in message
+    with pytest.raises(ValueError, match=r"it offers data parallel and engine.parallel.replicate, engine.parallel.ulysses; "
+                                         r"and engine.cpu_offload, .*: unset those keys"):
+        check_engine_config("fsdp", EngineConfig(parallel=ParallelConfig(tensor=2),
+                                                 optim=OptimConfig(distributed_optimizer=False)))
+
+
 def test_the_replicated_optimizer_is_a_megatron_knob_the_fsdp2_backends_refuse_by_name():
     """engine.optim.distributed_optimizer defaults to true, which every backend accepts (fsdp and
     veomni shard the optimizer with FSDP2); false is megatron's plain optimizer only."""

@@ -6,7 +6,7 @@
                                                              [--max-shard-size 5GB]    # bytes per safetensors file
   python -m critic_adapters.common.valuehead values PATH [--tokens "1 2 3"] [--seed 0]
   python -m critic_adapters.common.valuehead values PATH --rollouts FILE --out values.parquet   # a whole rollout file
-  python -m critic_adapters.common.valuehead demo OUT_DIR          # write the embedded tiny model, then use it
+  python -m critic_adapters.common.valuehead demo OUT_DIR [--family F] [--vocab-size N]   # write the embedded tiny model, then use it
 """
 
 from __future__ import annotations
@@ -121,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="write the embedded tiny Qwen2 model to OUT_DIR, inspect it, print values")
     p.add_argument("out_dir")
+    p.add_argument("--family", default="qwen2", help="the tiny model's family (common/testdata/configs)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="its vocabulary (default the tiny config's 1000): your tokenizer's, so that real token ids "
+                        "fit; then engine.model.path=OUT_DIR")
     return parser
 
 
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if is_nonempty_dir(args.out_dir) or (os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir)):
                 raise CriticLoadError(f"{args.out_dir} already exists and is not empty; demo writes a new directory")
-            path = save_tiny_causal_lm("qwen2", args.out_dir)
+            path = save_tiny_causal_lm(args.family, args.out_dir, vocab_size=args.vocab_size)
             _print_inspection(inspect_checkpoint(path))
             print()
             _print_values(path, None, 0)

@@ -39,19 +39,22 @@ def one_run(dist, mode: str, model_dir: str, batch_file: str, work_dir: str, ten
     mine = torch.arange(engine.dp_rank, data["input_ids"].shape[0], engine.dp_size)
     batch = RolloutBatch(*(data[k][mine] for k in FIELDS))
     ckpt = os.path.join(work_dir, "ckpt")
-    metrics = []
+    metrics, heard = [], []
     if mode == "save":
         metrics += [engine.update(batch) for _ in range(2)]
         engine.save_checkpoint(ckpt, {"step": 2})
         metrics += [engine.update(batch) for _ in range(2)]
         engine.export_hf(os.path.join(work_dir, "hf_export"))
     else:
-        extra = engine.load_checkpoint(ckpt)
+        with warnings.catch_warnings(record=True) as caught:  # what a user's load prints (issue 49)
+            warnings.simplefilter("always")
+            extra = engine.load_checkpoint(ckpt)
+        heard = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
         assert extra == {"step": 2}, extra
         metrics += [engine.update(batch) for _ in range(2)]
     weights = engine.hf_state_dict()
     if dist.is_main:
-        torch.save({"metrics": metrics, "weights": weights}, out_file)
+        torch.save({"metrics": metrics, "weights": weights, "load_warnings": heard}, out_file)
     engine.close()
 
 
