@@ -203,10 +203,15 @@ def processor(text, images, return_tensors, padding):
             "image_grid_thw": torch.cat([r["image_grid_thw"] for r in media])}
 """
     check = """
-from critic_adapters.common.valuehead import compute_values as plain
 assert values.shape == ids.shape
-assert not torch.allclose(values[0], plain(critic, ids, mask)[0])  # the pixels reached the values
+zeroed = [r and dict(r, pixel_values=torch.zeros_like(r["pixel_values"])) for r in rows]
+assert not torch.allclose(values[0], compute_values(critic, ids, mask, multi_modal_inputs=zeroed)[0])  # the pixels count
 assert torch.equal(values, compute_values(critic, ids, mask, multi_modal_inputs=rows))
+try:  # the same rows without their images: refused by row, never computed blind
+    compute_values(critic, ids, mask)
+    raise AssertionError("placeholders without images were computed")
+except ValueError as error:
+    assert str(error).startswith("row 0: input_ids hold 4 image placeholder token(s)"), error
 """
     code = prelude + example.replace('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(model)) + check
     result = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=300)

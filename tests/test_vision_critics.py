@@ -37,7 +37,7 @@ _RUNS: dict = {}
 
 def _results(backend: str, ranks: int, root) -> dict:
     """{family: [result of each rank]} of one torchrun over every family (once per module); on two
-    ranks the worker also leaves the machinery's results (machinery{rank}.pt)."""
+    ranks the worker also leaves the machinery's results (machinery-{backend}{rank}.pt)."""
     if (backend, ranks) not in _RUNS:
         run_torchrun(ranks, "critic_adapters.tests.vision_worker", backend, str(root), *VLM_FAMILIES,
                      env=worker_env(PYTHONWARNINGS="ignore"))
@@ -115,8 +115,8 @@ def test_one_update_equals_a_transformers_adamw_step(run, root, family):
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_the_export_reads_back_with_the_same_values_and_the_familys_backbone_keys(run, root, family):
-    _, ranks, results = run
-    export = root / family / f"export{ranks}"
+    backend, ranks, results = run
+    export = root / family / f"export-{backend}{ranks}"
     critic, report = load_critic(str(export))
     batch = vision_rollout(family, 0)
     values = compute_values(critic, batch.input_ids, batch.attention_mask, multi_modal_inputs=batch.multi_modal_inputs)
@@ -139,7 +139,7 @@ def test_the_machinery_with_images(root, backend):
     ranks = 2
     results = _results(backend, ranks, root)
     family = VLM_FAMILIES[0]
-    out = [torch.load(root / family / f"machinery{r}.pt") for r in range(ranks)]
+    out = [torch.load(root / family / f"machinery-{backend}{r}.pt") for r in range(ranks)]
     # Rank 1 with its text row only, then with no rows, beside rank 0's images: the values of a row do
     # not depend on what the other rank passes (the first step had moved the critic, so compare
     # with the critic after it: rank 0's rows are those of the plain run).

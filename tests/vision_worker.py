@@ -5,7 +5,7 @@ For each family, ROOT/FAMILY/critic holds the critic (test_vision_critics writes
 data-parallel rank takes its own image batch (vision_rollout(family, rank)). Rank r writes
 ROOT/FAMILY/result{r}.pt: the values with packing and without (several micro-batches each), one
 update's metrics and the values after it, forward_backward's values, and rows from an export.
-On two ranks, the first family also runs the machinery (ROOT/FAMILY/machinery{r}.pt): gradient
+On two ranks, the first family also runs the machinery (ROOT/FAMILY/machinery-BACKEND{r}.pt): gradient
 checkpointing + freeze_vision + an offload cycle, a checkpoint and a resumed engine's next step,
 ranks with and without images in one call, HSDP (replicate 2) against plain data parallel, LoRA, and Ulysses refused by name at build.
 """
@@ -61,7 +61,7 @@ def run(dist, backend: str, root: str, family: str) -> None:
     result["values_packed"], step = _step(engine, batch)
     result["metrics"] = engine.update(step)
     result["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask, images)
-    engine.export_hf(os.path.join(work, f"export{dist.world_size}"))
+    engine.export_hf(os.path.join(work, f"export-{backend}{dist.world_size}"))
     engine.close()
     torch.save(result, os.path.join(work, f"result{dist.rank}.pt"))
 
@@ -138,7 +138,7 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
         split = build_engine(backend, dataclasses.replace(base, parallel=ParallelConfig(ulysses=2)), dist)
     except ValueError as error:
         out["ulysses_build"] = str(error)
-        torch.save(out, os.path.join(work, f"machinery{dist.rank}.pt"))
+        torch.save(out, os.path.join(work, f"machinery-{backend}{dist.rank}.pt"))
         return
     out["ulysses_build"] = None
     out["ulysses_text_values"] = split.compute_values(text.input_ids, text.attention_mask)
@@ -150,7 +150,7 @@ def machinery(dist, backend: str, root: str, family: str) -> None:
     except ValueError as error:
         out["ulysses_images"] = str(error)
     split.close()
-    torch.save(out, os.path.join(work, f"machinery{dist.rank}.pt"))
+    torch.save(out, os.path.join(work, f"machinery-{backend}{dist.rank}.pt"))
 
 
 def blind_calls(engine, batch: RolloutBatch) -> dict:
