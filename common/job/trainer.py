@@ -23,7 +23,7 @@ import torch
 
 from ..storage import checkpoints
 from ..storage.checkpoints import EXTRA_TENSORS
-from ..engine.config import TrainConfig, precision_line, resolve_mixed_precision, to_yaml
+from ..engine.config import DataConfig, TrainConfig, TrainerConfig, precision_line, resolve_mixed_precision, to_yaml
 from ..learning.data import (Rollouts, gae, make_default_records, read_records, split_held_out, to_rollouts,
                              validate_records)
 from ..learning.multi_turn import make_multi_turn_records
@@ -311,11 +311,13 @@ at 255)."""
 
 def too_few_steps(train_rows: int, config: TrainConfig) -> str | None:
     """A warning naming the keys to change when the job would take fewer than FEW_STEPS optimizer steps
-    (a small data set at the default epochs and mini-batch size), with values that reach FEW_STEPS."""
+    at the default epochs and mini-batch size (a small data set; a user who set either chose the
+    run's length), with values that take about SUGGESTED_STEPS."""
     mini, epochs = config.data.mini_batch_size, config.trainer.epochs
+    chosen = mini != DataConfig().mini_batch_size or epochs != TrainerConfig().epochs
     per_epoch = math.ceil(train_rows / mini)
-    steps = config.engine.optim.total_steps or per_epoch * epochs
-    if steps >= FEW_STEPS:
+    steps = per_epoch * epochs
+    if chosen or steps >= FEW_STEPS:
         return None
     smaller = max(1, min(mini, 16))
     more_epochs = math.ceil(SUGGESTED_STEPS / math.ceil(train_rows / smaller))
