@@ -305,7 +305,13 @@ def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
     honours it, else none). Refuses parallel degrees and knobs the backend does not implement
     (check_engine_config) before anything is built. Close the engine (engine.close()) before common.parallel.distributed.shutdown().
     """
-    spec = backend_spec(backend)
-    config = resolve_mixed_precision(config, dist.device.type, honoured="mixed_precision" in spec.knobs)
+    config = resolved_for(backend, config, dist.device.type)
     check_engine_config(backend, config)
-    return resolve(spec.factory)(config, dist, **kwargs)
+    return resolve(backend_spec(backend).factory)(config, dist, **kwargs)
+
+
+def resolved_for(backend: str, config: EngineConfig, device_type: str) -> EngineConfig:
+    """`config` with engine.mixed_precision=auto resolved for `backend`'s ranks computing on
+    `device_type`: bf16 on CUDA where the backend honours the knob, else none (build_engine, the job)."""
+    honoured = "mixed_precision" in backend_spec(backend).knobs
+    return resolve_mixed_precision(config, device_type, honoured=honoured)

@@ -23,14 +23,14 @@ import torch
 
 from ..storage import checkpoints
 from ..storage.checkpoints import EXTRA_TENSORS
-from ..engine.config import DataConfig, TrainConfig, TrainerConfig, precision_line, resolve_mixed_precision, to_yaml
+from ..engine.config import DataConfig, TrainConfig, TrainerConfig, precision_line, to_yaml
 from ..learning.data import (Rollouts, gae, make_default_records, read_records, split_held_out, to_rollouts,
                              validate_records)
 from ..learning.multi_turn import make_multi_turn_records
 from ..parallel.batching import data_parallel_shares
 from ..parallel.distributed import DistContext, all_gather_object, barrier, one_outcome, world_group
 from ..engine import RolloutBatch, shift_to_tokens
-from ..engine.registry import backend_spec, build_engine
+from ..engine.registry import build_engine, resolved_for
 from ..engine.optimizers import optimizer_line
 from ..valuehead.multimodal import select
 from ..learning.loss import explained_variance
@@ -329,8 +329,7 @@ def too_few_steps(train_rows: int, config: TrainConfig) -> str | None:
 def resolved_config(config: TrainConfig, device_type: str) -> TrainConfig:
     """The job's config with engine.mixed_precision=auto resolved for the engine ranks' device (what
     config.yaml records, and a resume compares against)."""
-    honoured = "mixed_precision" in backend_spec(config.backend).knobs
-    return dataclasses.replace(config, engine=resolve_mixed_precision(config.engine, device_type, honoured=honoured))
+    return dataclasses.replace(config, engine=resolved_for(config.backend, config.engine, device_type))
 
 
 def say_resume(plan: JobPlan, say) -> None:

@@ -131,7 +131,7 @@ class ExtraTensors:
 
 
 def _digest(tensor: torch.Tensor) -> tuple:
-    data = tensor.detach().cpu().contiguous().reshape(-1)
+    data = tensor.contiguous().reshape(-1)  # on the CPU (gather_extra_tensors' copies)
     return tuple(tensor.shape), str(tensor.dtype), hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 

@@ -16,7 +16,7 @@ from critic_adapters.common.testdata.vision import vision_batch
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.valuehead import compute_values, load_critic, trl_value_head_class
 from critic_adapters.common.valuehead.config import critic_head
-from critic_adapters.common.valuehead.multimodal import check_rows, token_types, vision_tower
+from critic_adapters.common.valuehead.multimodal import RowError, check_rows, token_types, vision_tower
 
 LAYOUT = [[(1, 4, 4)], [], [(1, 2, 4), (1, 4, 4)]]
 
@@ -98,9 +98,9 @@ def test_images_that_do_not_match_their_placeholders_are_refused_by_row():
     with pytest.raises(ValueError, match=r"row 0: pixel_values has shape \(16, 1175\); this critic's processor "
                                          r"makes rows of 1176 values"):
         check_rows(config, ids, mask, (narrow, {}, images[2]))
-    with pytest.raises(ValueError, match=r"row 7: image_grid_thw has an entry \[0, 4, 4\]"):
-        check_rows(config, ids, mask, (dict(images[0], image_grid_thw=torch.tensor([[0, 4, 4]])), {}, images[2]),
-                   first_row=7)
+    with pytest.raises(RowError) as refused:
+        check_rows(config, ids, mask, (dict(images[0], image_grid_thw=torch.tensor([[0, 4, 4]])), {}, images[2]))
+    assert str(refused.value.in_rows([7, 8, 9])).startswith("row 7: image_grid_thw has an entry [0, 4, 4]")
     # No images for any row: placeholders refused by row; a text row passes.
     with pytest.raises(ValueError, match=r"row 0: input_ids hold 4 image placeholder token\(s\).*no row was given"):
         check_rows(config, ids, mask, None)

@@ -165,15 +165,18 @@ def _refuse_unwritable(path: str, what: str) -> None:
         raise CriticLoadError(f"cannot write {path}: {reason}; choose another destination")
 
 
-def _padded_chunk(chunk: list[dict]) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """(input_ids, attention_mask, each row's multi_modal_inputs or None) of rollout records, right-padded."""
-    width = max(len(r["input_ids"]) for r in chunk)
-    ids = torch.zeros(len(chunk), width, dtype=torch.long)
-    mask = torch.zeros(len(chunk), width, dtype=torch.long)
-    for i, r in enumerate(chunk):
-        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"], dtype=torch.long)
-        mask[i, :len(r["input_ids"])] = 1
-    return ids, mask, [r.get("multi_modal_inputs") for r in chunk]  # a text critic refuses images by name
+def _padded_chunks(records: list[dict], batch_size: int):
+    """(the file's row indices, input_ids, attention_mask, each row's multi_modal_inputs or None) of
+    every `batch_size` records, right-padded, one chunk at a time."""
+    for start in range(0, len(records), batch_size):
+        chunk = records[start:start + batch_size]
+        width = max(len(r["input_ids"]) for r in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"], dtype=torch.long)
+            mask[i, :len(r["input_ids"])] = 1
+        yield range(start, start + len(chunk)), ids, mask, [r.get("multi_modal_inputs") for r in chunk]
 
 
 def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_kwargs) -> None:
@@ -202,20 +205,18 @@ def rollout_values(path: str, rollouts: str, out: str, batch_size: int, **load_k
     for note in validate_records(records, text.vocab_size, rollouts, targets=False,
                                  max_positions=getattr(text, "max_position_embeddings", None)):
         print(note, file=sys.stderr)
-    chunks = [(start, *_padded_chunk(records[start:start + batch_size]))
-              for start in range(0, len(records), batch_size)]
     # Every row's images against its placeholders (a vision critic's rows need theirs), named by the
     # file's row, before the model is loaded or anything computed.
-    try:
-        for start, ids, mask, images in chunks:
-            multimodal.check_rows(critic, ids, mask, multimodal.as_rows(images, len(ids)), first_row=start)
-    except ValueError as error:
-        raise CriticLoadError(f"invalid rollouts in {rollouts}: {error}") from None
+    for rows, ids, mask, images in _padded_chunks(records, batch_size):
+        try:
+            multimodal.check_rows(critic, ids, mask, multimodal.as_rows(images, len(ids)))
+        except multimodal.RowError as error:
+            raise CriticLoadError(f"invalid rollouts in {rollouts}: {error.in_rows(rows)}") from None
     model, report = load_critic(path, **load_kwargs)
     print(report, file=sys.stderr)
     values = []
     with torch.no_grad(), tqdm(total=len(records), desc="values", unit="rollout", file=sys.stderr) as bar:
-        for _, ids, mask, images in chunks:
+        for _, ids, mask, images in _padded_chunks(records, batch_size):
             predictions = shift_to_tokens(compute_values(model, ids, mask, multi_modal_inputs=images))
             values += [predictions[i, :int(m.sum())].tolist() for i, m in enumerate(mask)]
             bar.update(len(ids))

@@ -106,14 +106,13 @@ def vision_patches(rows: Rows | None, batch_size: int) -> list[int]:
     return [sum(int(row[grid].prod(-1).sum()) for _, _, grid, _ in _MEDIA if grid in row) for row in rows]
 
 
-def check_rows(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: Rows | None, *,
-               first_row: int = 0) -> None:
+def check_rows(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: Rows | None) -> None:
     """ValueError naming the row when a row's images do not match its placeholder tokens (count of
     placeholders vs the grids, patches vs the grids, a grid without pixels, dimensions the vision
     config fixes), and when a text-only critic is given images. Every row of a vision critic is
     checked, `rows` None too (no images given for any row): placeholders without pixels are
-    refused whether or not other rows have images, never computed blind. Rows are named from
-    `first_row` (a chunk of a file names the file's rows)."""
+    refused whether or not other rows have images, never computed blind. A row's problem is a RowError
+    (a caller that checked some of its rows names them its own way: RowError.in_rows)."""
     if rows is None:
         if not is_vision_critic(config):
             return
@@ -122,46 +121,45 @@ def check_rows(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, ro
     else:
         missing = ""
     if not is_vision_critic(config):
-        with_media = [first_row + i for i, row in enumerate(rows) if row]
-        raise ValueError(f"multi_modal_inputs gives images/videos for row(s) {with_media[:8]}, but this critic "
-                         f"({config.model_type}) is text-only and cannot see them: load a vision-language critic "
-                         f"(qwen2_vl, qwen2_5_vl, qwen3_vl) or pass multi_modal_inputs=None")
+        first = next(i for i, row in enumerate(rows) if row)
+        raise RowError(first, f"multi_modal_inputs gives images/videos ({sum(map(bool, rows))} row(s) have some), but "
+                              f"this critic ({config.model_type}) is text-only and cannot see them: load a "
+                              f"vision-language critic (qwen2_vl, qwen2_5_vl, qwen3_vl) or pass multi_modal_inputs=None")
     merge = config.vision_config.spatial_merge_size
     for index, row in enumerate(rows):
         ids = input_ids[index][attention_mask[index].bool()]
-        name = first_row + index
         for kind, token_key, grid_key, pixel_key in _MEDIA:
             token_id = getattr(config, token_key)
             placeholders = int((ids == token_id).sum())
             grid, pixels = row.get(grid_key), row.get(pixel_key)
             if (grid is None) != (pixels is None):
-                raise RowError(name, f"multi_modal_inputs has {grid_key if grid is not None else pixel_key} "
+                raise RowError(index, f"multi_modal_inputs has {grid_key if grid is not None else pixel_key} "
                                  f"without {pixel_key if grid is not None else grid_key}; {'an' if kind == 'image' else 'a'} {kind} "
                                  f"needs both")
             if grid is None:
                 if placeholders:
-                    raise RowError(name, f"input_ids hold {placeholders} {kind} placeholder token(s) "
+                    raise RowError(index, f"input_ids hold {placeholders} {kind} placeholder token(s) "
                                      f"(id {token_id}) but the row has no {pixel_key}{missing}")
                 continue
             if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point():
-                raise RowError(name, f"{grid_key} has shape {tuple(grid.shape)} ({grid.dtype}); expected "
+                raise RowError(index, f"{grid_key} has shape {tuple(grid.shape)} ({grid.dtype}); expected "
                                  f"[{kind}s, 3] integers (t, h, w in patches)")
-            check_grid(config, grid, grid_key, row=name)
+            check_grid(config, grid, grid_key, row=index)
             width = patch_width(config)
             if pixels.dim() != 2 or pixels.shape[1] != width:
                 vision = config.vision_config
-                raise RowError(name, f"{pixel_key} has shape {tuple(pixels.shape)}; this critic's processor "
+                raise RowError(index, f"{pixel_key} has shape {tuple(pixels.shape)}; this critic's processor "
                                  f"makes rows of {width} values (channels x temporal_patch_size "
                                  f"{vision.temporal_patch_size} x patch_size {vision.patch_size}**2): [patches, {width}]")
             if kind == "video" and "second_per_grid_ts" in row and row["second_per_grid_ts"].numel() != grid.shape[0]:
-                raise RowError(name, f"second_per_grid_ts has {row['second_per_grid_ts'].numel()} entries for "
+                raise RowError(index, f"second_per_grid_ts has {row['second_per_grid_ts'].numel()} entries for "
                                  f"{grid.shape[0]} video(s) in video_grid_thw: one per video")
             patches = int(grid.prod(-1).sum())
             if pixels.shape[0] != patches:
-                raise RowError(name, f"{pixel_key} has {pixels.shape[0]} patch rows, {grid_key} "
+                raise RowError(index, f"{pixel_key} has {pixels.shape[0]} patch rows, {grid_key} "
                                  f"{grid.tolist()} makes {patches} (the sum of t*h*w)")
             if placeholders * merge**2 != patches:
-                raise RowError(name, f"input_ids hold {placeholders} {kind} placeholder token(s) (id {token_id}) "
+                raise RowError(index, f"input_ids hold {placeholders} {kind} placeholder token(s) (id {token_id}) "
                                  f"but {grid_key} {grid.tolist()} makes {patches // merge**2} (t*h*w / {merge}**2 each): "
                                  f"input_ids must hold the processor's expanded placeholders for exactly this row's {kind}s")
 
