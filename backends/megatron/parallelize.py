@@ -95,6 +95,13 @@ _GROUP_GLOBALS = {
     "_EXPERT_DATA_PARALLEL_GROUP": "expert_data", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expert_data_gloo",
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "expert_data",
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "expert_data_gloo",
+    # megatron-core 0.19's groups "with GTP_remat" (weight rematerialisation, off here): with it off
+    # megatron aliases each to its plain group, as here; 0.16 has none of them (not set there).
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "data", "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "data_context",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "data_context",
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "expert_data",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "expert_data",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "expert_tensor_pipeline",
 }
 
 
@@ -106,6 +113,8 @@ def _adopt(mesh: ParallelMesh) -> None:
         raise ValueError(f"the mesh passed to the megatron engine lacks megatron's groups {missing}: build it with "
                          f"common.engine.mesh.build_mesh(engine.parallel, dist, backend='megatron')")
     for name, key in _GROUP_GLOBALS.items():
+        if not hasattr(parallel_state, name):  # a group this megatron-core does not have
+            continue
         group = mesh.library_groups[key]
         if name.endswith("RANKS"):
             value = None if group is None else torch.distributed.get_process_group_ranks(group)
@@ -119,7 +128,8 @@ def _adopt(mesh: ParallelMesh) -> None:
 
 def _unadopt() -> None:
     for name in (*_GROUP_GLOBALS, "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
-        setattr(parallel_state, name, None)
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
     parallel_state.destroy_global_memory_buffer()
 
 

@@ -77,6 +77,11 @@ class BackendSpec:
     unsupported: tuple[tuple[str, str], ...] = ()
     """(a PARALLEL_DIMS name or an OPTIONAL_KNOBS key it does not implement, why): said with
     check_engine_config's refusal."""
+    requires: tuple[str, ...] = ()
+    """Requirements ("megatron-core>=0.16.1,<0.20") of the library it runs on, checked against the
+    installed distributions before anything is built (check_installed)."""
+    install: str = ""
+    """The command that installs what `requires` names, said when it is missing."""
 
     def __post_init__(self):
         unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
@@ -110,6 +115,8 @@ BACKENDS: dict[str, BackendSpec] = {
                      ("optim.state_dtype", "megatron-core's precision-aware optimizer (exp_avg_dtype) runs "
                       "TransformerEngine's FusedAdam, which needs CUDA and is not installed")),
         launcher=".backends.megatron.train",
+        requires=("megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",),
+        install="pip install 'critic-adapters[megatron]' (megatron-core 0.16 on Python <= 3.11, 0.19 on 3.12+)",
         library_groups=".backends.megatron.mesh_groups:megatron_groups",
         families=".backends.megatron.config:SUPPORTED_FAMILIES",
         # The two processes of the default job split every layer (a data-parallel degree of 1).
@@ -122,6 +129,10 @@ BACKENDS: dict[str, BackendSpec] = {
         knobs=frozenset({"mixed_precision", "gradient_checkpointing", "cpu_offload", "model.attn_implementation",
                          "transforms", "lora.rank", "optim.name", "optim.state_dtype", "optim.offload_state"}),
         launcher=".backends.veomni.train",
+        # 0.1.10 and 0.1.11 silently build a causal LM for a critic; 0.1.12 breaks on transformers >= 5.23.
+        requires=("veomni==0.1.12", "transformers<5.23"),
+        install="pip install 'critic-adapters[veomni]' && pip install --no-deps 'veomni==0.1.12' (--no-deps: "
+                "veomni's timm pulls torchvision, which replaces your torch)",
         job_defaults=("trainer.run_dir=outputs/veomni-default",),
         families=".backends.veomni.value_model:VEOMNI_FAMILIES",
         unsupported=(("expert", "VeOmni 0.1.12 builds the token-classification critic on transformers' own MoE "
@@ -169,10 +180,34 @@ def _knob_value(engine: EngineConfig, knob: str):
     return obj
 
 
+def check_installed(name: str) -> None:
+    """ImportError naming each library `name` runs on that is missing or outside its supported
+    versions, with the backend's install command; before anything is imported from it."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    spec = backend_spec(name)
+    problems = []
+    for text in spec.requires:
+        requirement = Requirement(text)
+        try:
+            version = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"{requirement.name} is not installed")
+            continue
+        if not requirement.specifier.contains(version, prereleases=True):
+            problems.append(f"{requirement.name} {version} is installed; it needs {requirement}")
+    if problems:
+        raise ImportError(f"the {name} backend cannot run here: {'; '.join(problems)}. Install: {spec.install}")
+
+
 def check_engine_config(name: str, engine: EngineConfig) -> None:
     """ValueError naming every parallel degree `name` does not implement and every knob it would
-    ignore, with the registered backends that do; before any process group or model exists."""
+    ignore, with the registered backends that do; before any process group or model exists.
+    ImportError when the backend's library is missing (check_installed)."""
     spec = backend_spec(name)
+    check_installed(name)
     problems, knob_problems = [], []
     for dim, value in _set_dims(engine.parallel).items():
         if dim not in spec.parallel_dims:

@@ -250,7 +250,7 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
             print(to_yaml(config))
             return 0
         plan = None if under_torchrun else _plan(args, config)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, ImportError) as err:  # ImportError: the backend's library (check_installed)
         if rank0:
             say_error(str(err))
         return 2

@@ -16,10 +16,20 @@ from transformers import AutoModel, AutoModelForSequenceClassification, AutoMode
 
 from critic_adapters.common.testdata import tiny_causal_lm, tiny_config
 from critic_adapters.common.valuehead._quiet import quiet_transformers
-from critic_adapters.common.valuehead.trl_compat import trl_value_head_class
+from critic_adapters.common.valuehead.trl_compat import SUPPORTED_TRL, installed_trl_version, trl_value_head_class
 
 VOCAB = 1000
 
+
+
+def trl_class_or_skip() -> type:
+    """trl's value-head class, or skip the test naming the installed trl (trl >= 1.13 has none)."""
+    cls = trl_value_head_class()
+    if cls is None:
+        import pytest
+
+        pytest.skip(f"needs trl's value-head class ({SUPPORTED_TRL}); installed: trl {installed_trl_version()}")
+    return cls
 
 def _seeded_head(hidden: int, seed: int, bias: bool = True) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -72,7 +82,7 @@ def causal_lm(root: str, family: str = "qwen2"):
 
 def trl_value_head(root: str, *, storage: str = "single-file"):
     """trl AutoModelForCausalLMWithValueHead written by trl's own save_pretrained."""
-    cls = trl_value_head_class()
+    cls = trl_class_or_skip()
     wrapper = cls.from_pretrained(tiny_causal_lm("qwen2"), summary_dropout_prob=0.0)
     with torch.no_grad():
         for name, tensor in _seeded_head(64, seed=1).items():
@@ -91,7 +101,7 @@ def trl_value_head(root: str, *, storage: str = "single-file"):
 
 def trl_sidecar(root: str, *, suffix: str = "safetensors"):
     """A base causal LM plus value_head.safetensors / value_head.bin (LLaMA-Factory, ROLL)."""
-    cls = trl_value_head_class()
+    cls = trl_class_or_skip()
     base = tiny_causal_lm("qwen2")
     path = os.path.join(root, f"trl-sidecar-{suffix}")
     _save(base, path)
@@ -111,7 +121,7 @@ def trl_sidecar(root: str, *, suffix: str = "safetensors"):
 
 def trl_patched_state_dict(root: str):
     """verl's patched trl wrapper: nn.Module.state_dict() -> pretrained_model.* + v_head.summary.*."""
-    cls = trl_value_head_class()
+    cls = trl_class_or_skip()
     wrapper = cls.from_pretrained(tiny_causal_lm("qwen2"), summary_dropout_prob=0.0).eval()
     with torch.no_grad():
         for name, tensor in _seeded_head(64, seed=3).items():
@@ -174,7 +184,7 @@ def moe_trl(root: str, family: str, *, sidecar: bool = False, seed: int = 5):
     (inline `v_head.summary.*`), or as the base model plus value_head.safetensors (sidecar)."""
     base = tiny_causal_lm(family, seed)
     _decisive_experts(base, seed)
-    wrapper = trl_value_head_class().from_pretrained(base, summary_dropout_prob=0.0)
+    wrapper = trl_class_or_skip().from_pretrained(base, summary_dropout_prob=0.0)
     # values of the returns' size (|v| ~ 1): a head that puts them at 10 makes the first update's loss
     # large and its clipped gradients tiny, where Adam's eps turns rounding into visible differences
     head = {name: tensor * 0.1 for name, tensor in _seeded_head(base.config.hidden_size, seed=seed).items()}

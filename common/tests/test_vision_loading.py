@@ -14,7 +14,8 @@ from critic_adapters.common.engine.transforms import apply_transforms
 from critic_adapters.common.testdata import VLM_FAMILIES, save_tiny_causal_lm, tiny_causal_lm, tiny_config
 from critic_adapters.common.testdata.vision import vision_batch
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.common.valuehead import compute_values, load_critic, trl_value_head_class
+from critic_adapters.common.tests import checkpoint_builders
+from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.common.valuehead.config import critic_head
 from critic_adapters.common.valuehead.multimodal import RowError, check_rows, token_types, vision_tower
 
@@ -57,7 +58,7 @@ def test_a_base_vlm_checkpoint_loads_as_a_critic_that_sees_the_images(tmp_path, 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_trls_value_head_over_a_vlm_loads_with_its_head_and_equals_trls_forward(tmp_path, family):
-    cls = trl_value_head_class()
+    cls = checkpoint_builders.trl_class_or_skip()
     base = tiny_causal_lm(family)
     wrapper = cls.from_pretrained(base, summary_dropout_prob=0.0)
     torch.manual_seed(3)

@@ -43,7 +43,8 @@ def checkpoints(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpts"))
     paths = {}
     for family in ("qwen2", "llama"):
-        paths[f"trl-{family}"] = trl_checkpoint(root, family)
+        if trl_value_head_class() is not None:  # trl >= 1.13 has no value-head class to write one
+            paths[f"trl-{family}"] = trl_checkpoint(root, family)
         paths[f"tokcls-{family}"] = checkpoint_builders.token_classification(root, family=family)[0]
     return paths
 

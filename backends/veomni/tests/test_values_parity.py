@@ -36,7 +36,8 @@ def checkpoints(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("veomni_values"))
     paths = {}
     for family in ("qwen2", "llama"):
-        paths[f"trl-{family}"] = trl_checkpoint(root, family)
+        if trl_value_head_class() is not None:  # trl >= 1.13 has no value-head class to write one
+            paths[f"trl-{family}"] = trl_checkpoint(root, family)
         paths[f"tokcls-{family}"], _ = checkpoint_builders.token_classification(root, family=family)
     ids, mask = padded_batch(seed=3, batch=5, length=13)
     batch = os.path.join(root, "batch.pt")
@@ -53,7 +54,7 @@ def checkpoints(tmp_path_factory):
 def test_values_equal_compute_values(checkpoints, nproc):
     root, paths, batch, mask, expected = checkpoints
     out = os.path.join(root, f"values-{nproc}.pt")
-    specs = [*paths.values(), paths["trl-llama"] + "@packing=false"]
+    specs = [*paths.values(), paths.get("trl-llama", paths["tokcls-llama"]) + "@packing=false"]
     run_torchrun(nproc, WORKER, batch, out, *specs)
     results = torch.load(out)
     for name, path in paths.items():
@@ -66,7 +67,8 @@ def test_values_equal_compute_values(checkpoints, nproc):
             assert got["critic_class"].removeprefix("FSDP").endswith("ForTokenClassification"), got["critic_class"]
             diff = float((got["values"] - expected[name]).abs()[mask.bool()].max())
             assert diff <= 1e-5, f"{spec} at {nproc} ranks: values differ by {diff:.3g}"
-    assert "format       trl-value-head" in results[paths["trl-qwen2"]]["report"]
+    if "trl-qwen2" in paths:
+        assert "format       trl-value-head" in results[paths["trl-qwen2"]]["report"]
     assert "format       hf-token-classification" in results[paths["tokcls-llama"]]["report"]
 
 

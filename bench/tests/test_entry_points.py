@@ -10,7 +10,7 @@ import torch
 
 from critic_adapters.common.tests.helpers import run_pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 
 
 def _run(command, cwd, **env):

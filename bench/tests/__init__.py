@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (not shipped in the wheel)."""
