@@ -1,4 +1,4 @@
-"""Our critic in verl 0.9.1's own TrainingWorker (the engine slot of README "In verl"), in one
+"""Our critic in verl 0.9.1's own TrainingWorker (the engine slot of docs/VERL.md), in one
 process: the critic's values for a batch of rollouts, one PPO value update with verl's value_loss,
 the values again.
 

@@ -1,6 +1,7 @@
-"""Every command in the README runs as written (issue 14): the fenced `bash` lines and the Python
-example are read from README.md itself, run in order in a scratch directory with the placeholders
-bound to tiny fixtures, and each must exit 0. A README edit that breaks a command fails here.
+"""Every command in the README and its guides runs as written (issue 14): the fenced `bash` lines and the
+Python examples are read from README.md and the guides under docs/ (GUIDES, in the order the README lists
+them), run in order in a scratch directory with the placeholders bound to tiny fixtures, and each must
+exit 0. An edit that breaks a command fails here.
 
 Tiny settings: `my.yaml` (the README's "your settings") holds the README's example line and a small job; launcher lines that name
 no YAML file and do not resume get the same small settings as overrides. Nothing else is changed.
@@ -20,7 +21,12 @@ from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.common.tests.torchrun import run_launcher, run_launcher_in_process, worker_env
 
 VALUEHEAD = "critic_adapters.common.valuehead"
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+README = os.path.join(ROOT, "README.md")
+# The guides the README's front page links, in its order: their commands run after the README's own.
+GUIDES = [os.path.join(ROOT, "docs", name) for name in (
+    "USING.md", "VALUE_LEARNING.md", "AGENTIC.md", "VISION.md", "RAY.md", "VERL.md", "OFFLOAD.md", "LARGE_CRITICS.md",
+    "GPUS.md")]
 
 TINY = ["data.num_rollouts=48", "data.mini_batch_size=16", "trainer.epochs=1", "trainer.save_every_steps=0"]
 # The tiny job, after the README's own example line (written dotted, as the README shows it).
@@ -41,10 +47,24 @@ NOT_RUN = {
 }
 
 
-def readme_blocks(language: str) -> list[str]:
-    with open(README) as f:
-        text = f.read()
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The README's `language` blocks, then each guide's."""
+    return [block for path in (README, *GUIDES) for block in blocks(read(path), language)]
+
+
+def test_the_readme_links_every_guide():
+    text = read(README)
+    for path in GUIDES:
+        assert f"(docs/{os.path.basename(path)})" in text, f"the README does not link {path}"
 
 
 def readme_settings_example() -> str:
@@ -150,12 +170,9 @@ def test_the_readmes_yaml_settings_are_keys_the_job_takes(tmp_path):
 
 
 def test_the_multi_turn_example_runs(tmp_path):
-    """The README's multi-turn snippet (GAE with turns, truncation and moved rewards; an update with a
+    """docs/AGENTIC.md's multi-turn snippet (GAE with turns, truncation and moved rewards; an update with a
     value mask) on the embedded multi-turn rollouts, with an fsdp engine of a tiny critic."""
-    with open(README) as f:
-        text = f.read()
-    section = text[text.index("## Multi-turn and agentic rollouts"):].split("\n## ", 1)[0]
-    (example,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    (example,) = blocks(read(os.path.join(ROOT, "docs", "AGENTIC.md")), "python")
     prelude = f"""
 import torch
 from critic_adapters.common.engine.config import EngineConfig, ModelConfig
@@ -180,12 +197,9 @@ assert truncated.any()
 
 
 def test_the_vision_example_runs(tmp_path):
-    """The README's vision-critic snippet, with a stand-in for a Qwen-VL processor (its batch layout:
+    """docs/VISION.md's vision-critic snippet, with a stand-in for a Qwen-VL processor (its batch layout:
     every row's patches concatenated in pixel_values, image_grid_thw per image) and a tiny VLM."""
-    with open(README) as f:
-        text = f.read()
-    section = text[text.index("## Vision-language critics"):].split("\n## ", 1)[0]
-    (example,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    (example,) = blocks(read(os.path.join(ROOT, "docs", "VISION.md")), "python")
     from critic_adapters.common.testdata import save_tiny_causal_lm
 
     model = save_tiny_causal_lm("qwen2_vl", str(tmp_path / "vlm"))
@@ -221,7 +235,7 @@ except ValueError as error:
 def test_the_ray_example_runs(tmp_path):
     """The README's RayCriticGroup block, on a local cluster (token authentication off in this test's
     own environment, its ~/.ray in tmp_path)."""
-    # The runnable one, in "On Ray" (the placement-group sketch in "Sharing GPUs" needs a host's objects).
+    # The runnable one, the README's (the placement-group sketch in docs/OFFLOAD.md needs a host's objects).
     (example,) = [block for block in readme_blocks("python") if "RayCriticGroup" in block and "ray.init" in block]
     model_dir = str(tmp_path / "model")
     from critic_adapters.common.testdata import save_tiny_causal_lm

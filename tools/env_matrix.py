@@ -108,6 +108,20 @@ ENVIRONMENTS = [
                 groups=(*FSDP_SUBSET, "megatron", "ray"), backends=("fsdp", "megatron"),
                 note="trl 1.16 has no value-head class (trl #7020); veomni 0.1.12 needs transformers <= 5.22"),
 ]
+# What the table cannot say, said under it (docs/SUPPORTED.md).
+NOTES = """\
+- pyproject.toml declares what the table shows: Python 3.10 to 3.13, torch 2.11 to 2.14, transformers 5.8
+  to 5.25; the extras' ranges beside them (megatron-core 0.16 on Python <= 3.11, 0.19 on 3.12 and later).
+- VeOmni 0.1.12 is installed with `pip install --no-deps 'veomni==0.1.12'` (its declared timm pulls a
+  torchvision that replaces torch) and needs transformers <= 5.22 and packaging < 26 (the `veomni` extra);
+  it declares Python 3.11 to 3.12 and runs on 3.13 here. The veomni backend refuses to build without it,
+  naming that line.
+- trl is optional: its value-head class is found in trl 0.27 to 1.12 (1.13 removed it; the tests that need
+  trl's own files skip there, naming the trl they found).
+- A checkpoint's declared dtype (`"dtype": "bfloat16"`, as verl saves critics) never sets the engine's:
+  every backend builds the critic in `engine.model.dtype` on every transformers version above (before 5.12
+  transformers built a critic class's backbone in the checkpoint's dtype; tests/test_saved_critics.py).
+"""
 VERSIONS = ("torch", "transformers", "megatron-core", "veomni", "ray", "verl", "trl", "peft")
 
 
@@ -279,9 +293,10 @@ def run_environment(spec: Environment, wheel: str, groups: list[str]) -> dict:
     return record
 
 
-def write_table(records: list[dict], path: str, command: str) -> None:
+def write_table(records: list[dict], path: str, command: str, date: str | None = None) -> None:
+    date = date or datetime.date.today().isoformat()
     lines = ["# Supported environments", "",
-             f"Written by `{command}` on {datetime.date.today().isoformat()} (CPU, 2 cores, gloo): each environment is",
+             f"Written by `{command}` on {date} (CPU, 2 cores, gloo): each environment is",
              "a fresh venv with the wheel built from this checkout and the extras it can hold. `wheel`: from an empty",
              "directory, against the installed wheel, the default job (`python -m critic_adapters.backends.fsdp.train",
              "--nproc 2`, held-out EV shown) and `tools/env_check.py` (the console script, each listed backend's engine",
@@ -306,7 +321,7 @@ def write_table(records: list[dict], path: str, command: str) -> None:
             cells = ["install failed"] + ["—"] * (len(GROUPS_ORDER) - 1)
         lines.append(f"| {record['name']} | {v.get('python', '?')} | {v.get('torch', '?')} | {v.get('transformers', '?')} "
                      f"| {other} | " + " | ".join(cells) + " |")
-    lines += ["", "Per environment:", ""]
+    lines += ["", NOTES, "Per environment:", ""]
     for record in records:
         lines.append(f"- **{record['name']}** ({record['stack']}){': ' + record['note'] if record['note'] else ''}.")
         backends = record.get("groups", {}).get("wheel", {}).get("checks", {})
@@ -321,7 +336,7 @@ def write_table(records: list[dict], path: str, command: str) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines))
     with open(os.path.splitext(path)[0].lower() + ".json", "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump({"command": command, "date": date, "records": records}, f, indent=1)
 
 
 GROUPS_ORDER = ("wheel", *GROUPS)
@@ -334,11 +349,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="the table to write (default: docs/SUPPORTED.md for a full run, "
                                                     "none otherwise)")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--render", metavar="JSON", help="write --out (default docs/SUPPORTED.md) again from a "
+                                                         "run's JSON copy, running nothing")
     args = parser.parse_args(argv)
     if args.list:
         for spec in ENVIRONMENTS:
             print(f"{spec.name:16} Python {spec.python}  {' '.join(spec.pins)}  groups: {','.join(spec.groups)}")
         print(f"groups: wheel, {', '.join(GROUPS)}")
+        return 0
+    if args.render:
+        with open(args.render) as f:
+            payload = json.load(f)
+        if isinstance(payload, list):  # the first runs' copy: the records alone
+            payload = {"records": payload, "command": "tools/env-matrix", "date": None}
+        out = args.out or os.path.join(REPO, "docs", "SUPPORTED.md")
+        write_table(payload["records"], out, payload["command"], payload["date"])
+        say(f"wrote {out}")
         return 0
     names = {spec.name: spec for spec in ENVIRONMENTS}
     unknown = [n for n in args.env or [] if n not in names]

@@ -93,7 +93,7 @@ def test_configs_are_found_under_a_bazel_run_without_the_runfiles_package(tmp_pa
     import sys
 
     probe = ("import sys; sys.modules['runfiles'] = None\n"  # makes `import runfiles` fail
-             "from common.testdata import data_path, tiny_config\n"
+             "from critic_adapters.common.testdata import data_path, tiny_config\n"
              "print(data_path('configs/qwen2.json')); print(tiny_config('qwen2').model_type)")
     env = dict(os.environ, RUNFILES_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.pop("RUNFILES_MANIFEST_FILE", None)

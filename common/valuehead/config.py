@@ -207,7 +207,7 @@ def build_critic(config: PretrainedConfig, *, dtype: torch.dtype, attn_implement
 
         raise RuntimeError(f"transformers {transformers.__version__} built {len(wrong)} parameters of {cls.__name__} "
                            f"in another dtype than {dtype} (e.g. {wrong[:3]}): this transformers version is not "
-                           f"supported (README.md, 'Supported versions')")
+                           f"supported (docs/SUPPORTED.md)")
     return install_value_head(model)
 
 
