@@ -11,8 +11,10 @@
                     the value head (muon_parameters says which)
 
 Parameters are FSDP2 DTensor shards. AdamW is elementwise, so it runs on each rank's shard. Muon's
-orthogonalisation needs whole matrices: each 2-D update is gathered (one all-gather per matrix), every
-rank of the shard group orthogonalises it (the same input: the same result) and keeps its own rows.
+orthogonalisation needs whole matrices: the matrices are shared out among the ranks of the shard group
+(balanced by their Newton-Schulz cost), each matrix's rows go to its rank in one all-to-all, each rank
+orthogonalises its own, and a second all-to-all brings every rank its rows of every result (Moonlight's
+and Dion's distributed Muon). The numbers are those of orthogonalising every matrix on every rank.
 The Newton-Schulz iteration and the lr adjustment are torch's own (torch.optim._muon), so a step
 equals torch.optim.Muon + torch.optim.AdamW on the same parameter groups of an unsharded model.
 """
@@ -82,12 +84,11 @@ class CriticOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         assert closure is None, "CriticOptimizer takes no closure"
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["kind"] == "muon":
-                    self._muon(p, group)
-                else:
+            stepped = [p for p in group["params"] if p.grad is not None]
+            if group["kind"] == "muon":
+                self._muon_group(stepped, group)
+            else:
+                for p in stepped:
                     self._adamw(p, group)
 
     def _zeros(self, p: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,20 @@ class CriticOptimizer(torch.optim.Optimizer):
             m_low.copy_(m)
             v_low.copy_(v)
 
-    def _muon(self, p: torch.Tensor, group: dict) -> None:
+    def _muon_group(self, params: list[torch.Tensor], group: dict) -> None:
+        updates = [self._muon_update(p, group) for p in params]
+        split = _row_split(params)
+        if split is not None:  # each rank orthogonalises its share of the matrices
+            orthos = _orthogonalise_shared(params, updates, *split)
+        else:
+            orthos = [_orthogonalise_whole(p, update) for p, update in zip(params, updates)]
+        for p, ortho in zip(params, orthos):
+            param = _local(p)
+            param.mul_(1 - group["lr"] * group["weight_decay"])
+            param.add_(ortho.to(param.dtype), alpha=-_muon._adjust_lr(group["lr"], MUON_ADJUST_LR, p.shape))
+
+    def _muon_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """This rank's part of the matrix Muon orthogonalises: the Nesterov momentum update, fp32."""
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = self._zeros(p)
@@ -127,20 +141,98 @@ class CriticOptimizer(torch.optim.Optimizer):
         grad, buffer = _local(p.grad).float(), _local(state["momentum_buffer"])
         buf = buffer.float().lerp_(grad, 1 - momentum)
         buffer.copy_(buf)
-        update = grad.lerp(buf, momentum)  # Nesterov, as torch's Muon by default
-        if isinstance(p, DTensor):  # the whole matrix, then this rank's rows of its orthogonalisation
-            whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            ortho = _muon._zeropower_via_newtonschulz(whole.full_tensor(), (_muon.DEFAULT_A, _muon.DEFAULT_B,
-                                                                            _muon.DEFAULT_C),
-                                                      _muon.DEFAULT_NS_STEPS, _muon.EPS)
-            ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        else:
-            ortho = _muon._zeropower_via_newtonschulz(update, (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C),
-                                                      _muon.DEFAULT_NS_STEPS, _muon.EPS)
-        param = _local(p)
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(ortho.to(param.dtype), alpha=-_muon._adjust_lr(group["lr"], MUON_ADJUST_LR, p.shape))
+        return grad.lerp(buf, momentum)  # Nesterov, as torch's Muon by default
 
+
+def _newton_schulz(matrix: torch.Tensor) -> torch.Tensor:
+    return _muon._zeropower_via_newtonschulz(matrix, (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C),
+                                             _muon.DEFAULT_NS_STEPS, _muon.EPS)
+
+
+def _orthogonalise_whole(p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """Every rank orthogonalises the whole matrix (gathered) and keeps its own part."""
+    if not isinstance(p, DTensor):
+        return _newton_schulz(update)
+    whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    ortho = _newton_schulz(whole.full_tensor())
+    return distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+def _row_split(params: list[torch.Tensor]):
+    """(process group, its size, this rank's index) when every matrix is a DTensor split by rows over
+    one mesh dimension of one mesh (replicated over the others: FSDP2 and HSDP) of 2+ ranks; None
+    otherwise (those take the whole-matrix path). Decided from placements alone: the same on every rank."""
+    if not params or not all(isinstance(p, DTensor) for p in params):
+        return None
+    mesh, placements = params[0].device_mesh, params[0].placements
+    if any(p.device_mesh != mesh or p.placements != placements for p in params):
+        return None
+    shard_dims = [i for i, placement in enumerate(placements) if placement.is_shard()]
+    if len(shard_dims) != 1 or placements[shard_dims[0]].dim != 0 or \
+            not all(placement.is_replicate() for i, placement in enumerate(placements) if i != shard_dims[0]):
+        return None
+    dim = shard_dims[0]
+    if mesh.size(dim) < 2:
+        return None
+    return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+
+
+def _rows(total: int, ranks: int) -> list[int]:
+    """Rows each rank holds of a matrix split by rows (torch.chunk's split: DTensor's Shard(0))."""
+    chunk = -(-total // ranks)
+    return [max(0, min(chunk, total - r * chunk)) for r in range(ranks)]
+
+
+def share_matrices(shapes: list[tuple[int, int]], ranks: int) -> list[int]:
+    """The rank that orthogonalises each matrix: largest first to the least-loaded rank, a matrix's
+    cost its Newton-Schulz multiply-adds (rows x cols x min(rows, cols))."""
+    load, owner = [0] * ranks, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -shapes[i][0] * shapes[i][1] * min(shapes[i])):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += shapes[i][0] * shapes[i][1] * min(shapes[i])
+    return owner
+
+
+def _orthogonalise_shared(params, updates, group, ranks: int, me: int) -> list[torch.Tensor]:
+    """Muon's orthogonalisation divided among the ranks of the row split: each matrix's rows go to the
+    rank that owns it (one all-to-all), each rank orthogonalises its own matrices, and every rank gets
+    its rows of every result back (a second all-to-all). The same numbers as _orthogonalise_whole."""
+    import torch.distributed as dist
+
+    shapes = [tuple(p.shape) for p in params]
+    rows = [_rows(shape[0], ranks) for shape in shapes]
+    owner = share_matrices(shapes, ranks)
+    mine = [i for i in range(len(params)) if owner[i] == me]
+    device = updates[0].device
+    # 1. each rank's rows of every matrix to the matrix's owner
+    send = [torch.cat([updates[i].reshape(-1) for i in range(len(params)) if owner[i] == dest] or
+                      [torch.zeros(0, device=device)]) for dest in range(ranks)]
+    receive = [sum(rows[i][src] * shapes[i][1] for i in mine) for src in range(ranks)]
+    gathered = torch.empty(sum(receive), device=device)
+    dist.all_to_all_single(gathered, torch.cat(send), receive, [t.numel() for t in send], group=group)
+    pieces = {i: [] for i in mine}
+    offset = 0
+    for src in range(ranks):
+        for i in mine:
+            size = rows[i][src] * shapes[i][1]
+            pieces[i].append(gathered[offset:offset + size].view(rows[i][src], shapes[i][1]))
+            offset += size
+    # 2. this rank's matrices, orthogonalised; every rank's rows of them back to it
+    orthos = {i: _newton_schulz(torch.cat(pieces[i])).float() for i in mine}
+    send = []
+    for dest in range(ranks):
+        parts = [orthos[i][sum(rows[i][:dest]):sum(rows[i][:dest + 1])].reshape(-1) for i in mine]
+        send.append(torch.cat(parts) if parts else torch.zeros(0, device=device))
+    receive = [sum(rows[i][me] * shapes[i][1] for i in range(len(params)) if owner[i] == src) for src in range(ranks)]
+    scattered = torch.empty(sum(receive), device=device)
+    dist.all_to_all_single(scattered, torch.cat(send), receive, [t.numel() for t in send], group=group)
+    out, offsets = [None] * len(params), [sum(receive[:src]) for src in range(ranks)]
+    for i in range(len(params)):  # in index order within each source: the order its owner sent them
+        size = rows[i][me] * shapes[i][1]
+        out[i] = scattered[offsets[owner[i]]:offsets[owner[i]] + size].view(rows[i][me], shapes[i][1])
+        offsets[owner[i]] += size
+    return out
 
 
 def optimizer_line(optim: OptimConfig, optimizer=None) -> str:

@@ -63,3 +63,19 @@ def test_a_step_on_pieces_equals_the_step_on_whole_tensors(monkeypatch):
 
 if __name__ == "__main__":
     run_pytest(__file__)
+
+
+def test_muon_shared_out_among_the_ranks_steps_as_every_rank_orthogonalising_every_matrix(tmp_path):
+    """At 2 ranks each rank orthogonalises its share of the matrices (both ranks get some), and the
+    parameters after 2 steps equal those of every rank orthogonalising every matrix, bit for bit."""
+    from critic_adapters.common.tests.torchrun import run_torchrun
+
+    out = tmp_path / "muon.pt"
+    run_torchrun(2, "critic_adapters.common.tests.muon_worker", str(out))
+    result = torch.load(out)
+    assert sorted(set(result["owners"])) == [0, 1], result["owners"]
+    start = [layer.weight for layer in __import__("critic_adapters.common.tests.muon_worker",
+                                                  fromlist=["model"]).model()]
+    for shared, whole, before in zip(result["shared"], result["whole"], start):
+        assert torch.equal(shared, whole)
+        assert not torch.equal(shared, before.detach())  # the step moved them
