@@ -163,9 +163,6 @@ def build_wheel(out: str) -> str:
         source = os.path.join(tmp, "src")
         shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
             ".venv", ".overlays", "bazel-*", "outputs", "runs", "__pycache__", ".git", ".gpu-wheels"))
-        os.makedirs(out, exist_ok=True)
-        for old in glob.glob(os.path.join(out, "critic_adapters-*.whl")):
-            os.remove(old)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
                         source, "-w", out], check=True)
     (wheel,) = glob.glob(os.path.join(out, "critic_adapters-*.whl"))
@@ -272,6 +269,16 @@ def pytest_group(python: str, name: str, group: Group, scratch: str) -> dict:
 
 
 def run_environment(spec: Environment, wheel: str, groups: list[str]) -> dict:
+    """The environment made and its groups run, holding its lock (another run waits: one venv each)."""
+    import fcntl
+
+    os.makedirs(os.path.join(CACHE, "envs"), exist_ok=True)
+    with open(os.path.join(CACHE, "envs", f"{spec.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _run_environment(spec, wheel, groups)
+
+
+def _run_environment(spec: Environment, wheel: str, groups: list[str]) -> dict:
     started = time.time()
     record = {"name": spec.name, "stack": spec.stack, "note": spec.note, "groups": {}}
     try:
@@ -375,9 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [names[n] for n in args.env] if args.env else ENVIRONMENTS
     out = args.out or (os.path.join(REPO, "docs", "SUPPORTED.md") if not args.env and not groups else None)
     say(f"building the wheel of {REPO}")
-    wheel = build_wheel(os.path.join(CACHE, "wheels"))
-    records = [run_environment(spec, wheel, [g for g in groups if g in spec.groups] if groups else list(spec.groups))
-               for spec in chosen]
+    os.makedirs(CACHE, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE, prefix="wheel-") as wheels:  # this run's own: runs may overlap
+        wheel = build_wheel(wheels)
+        records = [run_environment(spec, wheel, [g for g in groups if g in spec.groups] if groups else list(spec.groups))
+                   for spec in chosen]
     if out:
         write_table(records, out, "tools/env-matrix" + (" " + " ".join(argv or sys.argv[1:])).rstrip())
         say(f"wrote {out}")
