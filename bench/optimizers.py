@@ -8,7 +8,10 @@ default job's held-out explained variance per option.
 Part 1: the Qwen2.5-0.5B-shaped critic (bench/configs/qwen2_5_0_5b.json; `--config` takes another)
 under torchrun (gloo, CPU, one thread per rank), one engine per option in turn on the same
 processes: a warm-up update (the optimizer's state exists from then on), then `--repeats` times the
-gradients of one row of `--tokens` tokens and, timed alone, the optimizer step. Reported per option:
+gradients of one row of `--tokens` tokens and, timed alone, the optimizer step; then one whole update of
+a default-job mini-batch (`--update-tokens`), so the step shows as a fraction of it; for Muon, the
+Newton-Schulz work of the slowest rank's share of the matrices against every matrix, timed in the same
+run. Reported per option:
 the bytes torch holds for the parameters, the gradients and the optimizer state (all ranks; the
 state wherever it lives: with offload_state it is in host memory between steps and the device holds
 none of it), per parameter of the critic, and the step's median time, with its ratio to fp32 AdamW's.
@@ -51,7 +54,60 @@ def held_bytes(engine) -> dict[str, int]:
     return {**state_bytes(engine), "optimizer_resident": engine.resident_bytes()["optimizer"]}
 
 
-def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int) -> None:
+def orthogonalise_times(engine, repeats: int) -> dict:
+    """Muon's Newton-Schulz work at this world size: each rank's own share of the matrices
+    (common.engine.optimizers.share_matrices) against every matrix, timed on this rank in the same run
+    (random matrices of the critic's Muon shapes); the slowest rank's share, and the ratio."""
+    import torch.distributed as torch_dist
+
+    from critic_adapters.common.engine import optimizers
+    from critic_adapters.common.parallel.distributed import all_reduce
+
+    (group,) = [g for g in engine.optimizer.param_groups if g.get("kind") == "muon"]
+    shapes = [tuple(p.shape) for p in group["params"]]
+    ranks, me = torch_dist.get_world_size(), torch_dist.get_rank()
+    owner = optimizers.share_matrices(shapes, ranks)
+    g = torch.Generator().manual_seed(0)
+    matrices = [torch.randn(shape, generator=g) for shape in shapes]
+
+    def timed(indices) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for i in indices:
+                optimizers._newton_schulz(matrices[i])
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    own, every = timed([i for i in range(len(shapes)) if owner[i] == me]), timed(range(len(shapes)))
+    own, every = all_reduce([own, every], op="max", group=torch_dist.group.WORLD)
+    return {"own_share_s": own, "every_matrix_s": every, "ratio": own / every, "matrices": len(shapes)}
+
+
+def update_rows(tokens_per_mini_batch: int) -> tuple[int, int]:
+    """(rows, length) of a mini-batch of about `tokens_per_mini_batch` tokens, in rows of the default
+    job's mean length."""
+    from critic_adapters.common.learning.data import make_default_records
+
+    records = make_default_records(256, seed=0)
+    length = round(statistics.mean(len(r["input_ids"]) for r in records))
+    return max(1, round(tokens_per_mini_batch / length)), length
+
+
+def default_job_mini_batch_tokens() -> int:
+    """Tokens of one of the default job's mini-batches (its rollouts' mean length x mini_batch_size)."""
+    import yaml
+
+    from critic_adapters.common.job.launcher import DEFAULT_JOB
+    from critic_adapters.common.learning.data import make_default_records
+
+    with open(DEFAULT_JOB) as f:
+        rows = yaml.safe_load(f)["data"]["mini_batch_size"]
+    records = make_default_records(256, seed=0)
+    return round(rows * statistics.mean(len(r["input_ids"]) for r in records))
+
+
+def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int, update_tokens: int = 0) -> None:
     import dataclasses
 
     import torch.distributed as torch_dist
@@ -84,6 +140,15 @@ def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int
         totals = all_reduce([float(v) for v in held.values()], group=world)
         results[name] = {"step_s": statistics.median(seconds), **dict(zip(held, totals)),
                          "parameter_count": engine.parameter_counts()[1]}
+        if update_tokens:  # what the step costs where it matters: a whole update of a default-job mini-batch
+            rows, length = update_rows(update_tokens)
+            torch_dist.barrier()
+            start = time.perf_counter()
+            engine.update(rollout(rows, length, vocab, 99))
+            (elapsed,) = all_reduce([time.perf_counter() - start], op="max", group=world)
+            results[name].update(update_s=elapsed, update_tokens=rows * length)
+        if config.optim.name == "muon":
+            results[name]["orthogonalise"] = orthogonalise_times(engine, repeats)
         engine.close()
     if dist.is_main:
         with open(os.path.join(workdir, "results.json"), "w") as f:
@@ -91,12 +156,13 @@ def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int
     shutdown()
 
 
-def run_engines(backend: str, ranks: int, model_dir: str, workdir: str, tokens: int, repeats: int) -> dict:
+def run_engines(backend: str, ranks: int, model_dir: str, workdir: str, tokens: int, repeats: int,
+                update_tokens: int = 0) -> dict:
     from critic_adapters.bench.scale import subprocess_run
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "critic_adapters.bench.optimizers", "--worker", backend, model_dir, workdir, str(tokens),
-               str(repeats)]
+               str(repeats), str(update_tokens)]
     result = subprocess_run(command, dict(os.environ))
     if result.returncode:
         raise SystemExit(f"{backend} at {ranks} rank(s) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -106,17 +172,25 @@ def run_engines(backend: str, ranks: int, model_dir: str, workdir: str, tokens: 
 def table(results: dict) -> list[str]:
     plain = results["adamw"]["step_s"]
     lines = ["| option | parameters (B/param) | gradients (B/param) | optimizer state (B/param) | state on the device "
-             "between steps (B/param) | optimizer step s | vs adamw |", "|---|---|---|---|---|---|---|"]
+             "between steps (B/param) | optimizer step s | vs adamw | step / whole update |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         n = r["parameter_count"]
+        fraction = f"{r['step_s'] / r['update_s']:.2f}" if r.get("update_s") else "—"
         lines.append(f"| {name} | {r['parameters'] / n:.2f} | {r['gradients'] / n:.2f} | {r['optimizer'] / n:.2f} | "
-                     f"{r['optimizer_resident_between'] / n:.2f} | {r['step_s']:.3f} | {r['step_s'] / plain:.2f}x |")
+                     f"{r['optimizer_resident_between'] / n:.2f} | {r['step_s']:.3f} | {r['step_s'] / plain:.2f}x | "
+                     f"{fraction} |")
+    for name, r in results.items():
+        if "orthogonalise" in r:
+            o = r["orthogonalise"]
+            lines.append(f"{name}: Newton-Schulz of {o['matrices']} matrices, the slowest rank's share "
+                         f"{o['own_share_s']:.3f} s against every matrix {o['every_matrix_s']:.3f} s: {o['ratio']:.2f}x")
     return lines
 
 
 def main(argv=None) -> None:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))
+        worker(*sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +199,9 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default=CONFIG, help="the critic's config.json (default: Qwen2.5-0.5B-shaped)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens of each update's one row")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--update-tokens", type=int, default=None,
+                        help="tokens of the whole update each option's step is compared with (default: one of the "
+                             "default job's mini-batches; 0: none)")
     parser.add_argument("--skip-jobs", action="store_true", help="part 1 only (no default jobs)")
     parser.add_argument("--out", help="write the results as JSON here too")
     args = parser.parse_args(argv)
@@ -136,7 +213,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="critic_optimizers_") as tmp:
         model_dir = os.path.join(tmp, "model")
         write_model(args.config, model_dir)
-        results = run_engines(args.backend, args.ranks, model_dir, tmp, args.tokens, args.repeats)
+        update_tokens = default_job_mini_batch_tokens() if args.update_tokens is None else args.update_tokens
+        results = run_engines(args.backend, args.ranks, model_dir, tmp, args.tokens, args.repeats, update_tokens)
         for r in results.values():
             r["optimizer_resident_between"] = r.pop("optimizer_resident")
         out["engines"] = results

@@ -105,6 +105,12 @@ def test_the_optimizer_benchmark_counts_each_options_state(tmp_path):
     assert 4 * n < muon["optimizer"] < adamw["optimizer"], muon
     assert offload["optimizer"] == adamw["optimizer"] and offload["optimizer_resident_between"] == 0, offload
     assert "| adamw_offload | 4.00 | 4.00 | 8.00 | 0.00 |" in result.stdout, result.stdout
+    # each option's step beside a whole update of a default-job mini-batch; Muon's Newton-Schulz work
+    # split among the 2 ranks (the slowest rank's share and every matrix, timed in the same run)
+    assert all(r["update_s"] > r["step_s"] > 0 and r["update_tokens"] > 1000 for r in engines.values()), engines
+    shares = muon["orthogonalise"]
+    assert shares["matrices"] == 14 and 0 < shares["own_share_s"] and 0 < shares["every_matrix_s"], shares
+    assert "muon: Newton-Schulz of 14 matrices, the slowest rank's share" in result.stdout, result.stdout
 
 
 def test_the_scale_benchmark_measures_each_run(tmp_path):
