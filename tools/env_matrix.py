@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="the table to write (default: docs/SUPPORTED.md for a full run, "
                                                     "none otherwise)")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--update", action="store_true", help="merge this run's groups into the table's JSON copy "
+                                                              "(docs/supported.json) and write the table again")
     parser.add_argument("--render", metavar="JSON", help="write --out (default docs/SUPPORTED.md) again from a "
                                                          "run's JSON copy, running nothing")
     args = parser.parse_args(argv)
@@ -387,7 +389,24 @@ def main(argv: list[str] | None = None) -> int:
         wheel = build_wheel(wheels)
         records = [run_environment(spec, wheel, [g for g in groups if g in spec.groups] if groups else list(spec.groups))
                    for spec in chosen]
-    if out:
+    if args.update:  # the earlier full run's records, with this run's groups in place of theirs
+        out = args.out or os.path.join(REPO, "docs", "SUPPORTED.md")
+        with open(os.path.splitext(out)[0].lower() + ".json") as f:
+            payload = json.load(f)
+        if isinstance(payload, list):
+            payload = {"records": payload, "command": "tools/env-matrix", "date": None}
+        by_name = {r["name"]: r for r in payload["records"]}
+        for record in records:
+            if record["name"] in by_name and "error" not in record:
+                kept = by_name[record["name"]]
+                kept["groups"].update(record["groups"])
+                kept["versions"] = record["versions"]
+            else:
+                by_name[record["name"]] = record
+        command = f"{payload['command']}; then tools/env-matrix {' '.join(argv or sys.argv[1:])}"
+        write_table(list(by_name.values()), out, command, datetime.date.today().isoformat())
+        say(f"wrote {out}")
+    elif out:
         write_table(records, out, "tools/env-matrix" + (" " + " ".join(argv or sys.argv[1:])).rstrip())
         say(f"wrote {out}")
     bad = [r["name"] for r in records if "error" in r or any(g["failed"] for g in r["groups"].values())]
