@@ -14,7 +14,10 @@ VERL_OVERLAY = os.environ.get("CRITIC_VERL_OVERLAY", os.path.join(REPO, ".overla
 
 
 def verl_overlay_env(**extra: str) -> dict:
-    """worker_env with the verl overlay first on PYTHONPATH."""
+    """worker_env with the verl overlay first on PYTHONPATH; CRITIC_VERL_OVERLAY=none: this environment
+    has verl installed itself (tools/env-matrix's verl environment), worker_env as it is."""
+    if VERL_OVERLAY == "none":
+        return worker_env(**extra)
     assert os.path.isfile(os.path.join(VERL_OVERLAY, ".complete")), (
         f"missing the verl overlay {VERL_OVERLAY}; tools/setup.sh installs it (or set CRITIC_VERL_OVERLAY)")
     env = worker_env(**extra)

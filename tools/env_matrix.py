@@ -55,7 +55,7 @@ GROUPS = {
     "veomni": Group(("backends/veomni/tests/test_values_parity.py",)),
     "ray": Group(("integrations/ray/tests/test_group.py",)),
     # the verl slot against verl installed in the environment itself (no overlay over it)
-    "verl": Group(("tests/verl/test_verl_engine.py",), env=(("CRITIC_VERL_OVERLAY", "<empty>"),)),
+    "verl": Group(("tests/verl/test_verl_engine.py",), env=(("CRITIC_VERL_OVERLAY", "none"),)),
 }
 FSDP_SUBSET = ("wheel", "common", "fsdp-engine", "fsdp-job")
 
