@@ -80,7 +80,8 @@ def test_attention_selection(monkeypatch):
                                 liger_kernel=False)
     monkeypatch.setattr(kernels, "installed", lambda: nothing)
     assert select_attn_implementation(_cls("qwen2")) == "sdpa"
-    assert select_attn_implementation(_cls("gemma2")) == "eager"  # Gemma2 refuses sdpa
+    # Gemma2 refuses sdpa where this transformers' class says so (5.22; 5.9 allows it)
+    assert select_attn_implementation(_cls("gemma2")) == ("sdpa" if _cls("gemma2")._supports_sdpa else "eager")
     assert select_attn_implementation(_cls("qwen2"), "eager") == "eager"  # explicit wins
     gpu = kernels.Installed(cuda=True, flash_attn=True, torch_varlen=True, transformer_engine=False,
                             liger_kernel=False)
@@ -106,7 +107,8 @@ def test_flash_attention_needs_both_the_package_and_cuda(monkeypatch):
 def test_loader_uses_the_selected_implementation(tmp_path):
     path, _ = build.causal_lm(str(tmp_path), "gemma2")
     _, report = load_critic(path)
-    assert report.attn_implementation == "eager"
+    # what this transformers' Gemma2 class allows: eager where it refuses sdpa (5.22), else sdpa (5.9)
+    assert report.attn_implementation == ("sdpa" if _cls("gemma2")._supports_sdpa else "eager")
     path, _ = build.causal_lm(str(tmp_path), "qwen2")
     assert load_critic(path)[1].attn_implementation == "sdpa"
     assert load_critic(path, attn_implementation="eager")[1].attn_implementation == "eager"
