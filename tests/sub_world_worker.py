@@ -67,6 +67,8 @@ def megatron_state_snapshot() -> dict:
 
     out = {}
     for name in (*parallelize._GROUP_GLOBALS, "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"):
+        if not hasattr(parallel_state, name):  # a group of another megatron-core (0.19's GTP_remat ones on 0.16)
+            continue
         value = getattr(parallel_state, name)
         out[name] = (sorted(torch_dist.get_process_group_ranks(value)) if isinstance(value, torch_dist.ProcessGroup)
                      else value)

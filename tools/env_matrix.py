@@ -51,7 +51,9 @@ GROUPS = {
     "fsdp-engine": Group(("backends/fsdp/tests/test_engine_contract.py", "backends/fsdp/tests/test_engine_parity.py",
                           "tests/conformance/test_conformance.py"), env=(("CONFORMANCE_BACKEND", "fsdp"),)),
     "fsdp-job": Group(("backends/fsdp/tests/test_training_job.py",)),
-    "megatron": Group(("backends/megatron/tests/test_values_parity.py",)),
+    # values against the HF critic at TP / PP / SP / DP, and parallel_state from our mesh equal to megatron-core's
+    # own initialize_model_parallel (every group global this megatron-core has)
+    "megatron": Group(("backends/megatron/tests/test_values_parity.py", "tests/test_sub_world.py")),
     "veomni": Group(("backends/veomni/tests/test_values_parity.py",)),
     "ray": Group(("integrations/ray/tests/test_group.py",)),
     # the verl slot against verl installed in the environment itself (no overlay over it)
