@@ -204,10 +204,10 @@ def check_installed(name: str) -> None:
 
 def check_engine_config(name: str, engine: EngineConfig) -> None:
     """ValueError naming every parallel degree `name` does not implement and every knob it would
-    ignore, with the registered backends that do; before any process group or model exists.
-    ImportError when the backend's library is missing (check_installed)."""
+    ignore, with the registered backends that do; before any process group or model exists. Settings
+    only: whether the backend's library is installed is check_installed's (a setting is refused the
+    same with or without it)."""
     spec = backend_spec(name)
-    check_installed(name)
     problems, knob_problems = [], []
     for dim, value in _set_dims(engine.parallel).items():
         if dim not in spec.parallel_dims:
@@ -310,12 +310,13 @@ def check_value_head(engine: EngineConfig, model: ModelRead) -> None:
 
 def check_layout(name: str, engine: EngineConfig, world_size: int, model: ModelRead | None = None) -> ModelRead:
     """Everything `name` refuses for this config before anything is built: the parallel degrees and
-    knobs it implements (check_engine_config), the world split into engine.parallel's groups
+    knobs it implements (check_engine_config), its library installed (check_installed), the world split into engine.parallel's groups
     (replicas included), the checkpoint's head against engine.loss (check_value_head), engine.lora
     against the model (common.engine.lora.check_lora), and the backend's own check_layout hook.
     `model`: read_model(engine) when the caller has it (else it is read here). Returns it.
     Reads config.json (and an adapter's headers), builds nothing but a meta-device copy."""
     check_engine_config(name, engine)
+    check_installed(name)
     engine.parallel.data_parallel_size(world_size)
     spec = backend_spec(name)
     model = model or read_model(engine)
@@ -342,6 +343,7 @@ def build_engine(backend: str, config: EngineConfig, dist, **kwargs):
     """
     config = resolved_for(backend, config, dist.device.type)
     check_engine_config(backend, config)
+    check_installed(backend)
     return resolve(backend_spec(backend).factory)(config, dist, **kwargs)
 
 

@@ -184,13 +184,14 @@ def _plan(args, config):
     """The job's plan (common.job.plan) for --nproc processes (None: the resumed run's count, else what
     engine.parallel needs), and the run_dir writable; ValueError before any process starts or
     anything is written. The dry run and the launch make the same plan."""
-    from ..engine.registry import check_engine_config
+    from ..engine.registry import check_engine_config, check_installed
     from ..storage.atomic_dir import unwritable_reason
     from .plan import plan_job
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: the process count must be >= 1")
     check_engine_config(config.backend, config.engine)  # what the backend lacks whatever the process count
+    check_installed(config.backend)  # its library, before any process starts
     try:
         plan = plan_job(config, args.nproc)
     except ValueError as err:

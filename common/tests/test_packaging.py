@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import email.parser
+import types
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import zipfile
 
 import pytest
+import torch
 from packaging.requirements import Requirement
 
 from critic_adapters.common.engine import registry
@@ -141,10 +143,20 @@ def test_the_wheel_declares_its_dependencies_extras_and_entry_points(wheel):
 def test_a_backend_whose_library_is_missing_is_refused_with_its_install_line(monkeypatch):
     spec = dataclasses.replace(registry.backend_spec("veomni"), requires=("veomni==0.1.11", "no-such-library>=1"))
     monkeypatch.setitem(registry.BACKENDS, "veomni-missing", spec)
-    with pytest.raises(ImportError) as err:
-        registry.check_engine_config("veomni-missing", registry.EngineConfig())
+    registry.check_engine_config("veomni-missing", registry.EngineConfig())  # settings alone: accepted
+    with pytest.raises(ImportError, match="veomni-missing backend cannot run here"):
+        registry.build_engine("veomni-missing", registry.EngineConfig(), dist=types.SimpleNamespace(
+            device=torch.device("cpu")))
+    with pytest.raises(ImportError) as err:  # what build_engine, the plan and the launcher call
+        registry.check_installed("veomni-missing")
     message = str(err.value)
-    assert "veomni 0.1.12 is installed; it needs veomni==0.1.11" in message, message
+    import importlib.metadata
+
+    try:
+        found = f"veomni {importlib.metadata.version('veomni')} is installed; it needs veomni==0.1.11"
+    except importlib.metadata.PackageNotFoundError:
+        found = "veomni is not installed"
+    assert found in message, message
     assert "no-such-library is not installed" in message, message
     assert "pip install --no-deps 'veomni==0.1.12'" in message, message
     registry.check_installed("fsdp")  # torch's own: never refused
@@ -168,3 +180,19 @@ def test_the_console_script_dispatches_to_the_module_clis(tmp_path, capsys):
 
 if __name__ == "__main__":
     run_pytest(__file__)
+
+
+def test_the_launcher_refuses_a_backend_whose_library_is_missing_and_writes_nothing(monkeypatch, tmp_path):
+    from critic_adapters.common.tests.torchrun import run_launcher_in_process
+
+    spec = dataclasses.replace(registry.backend_spec("fsdp"), requires=("no-such-library>=1",),
+                               install="pip install no-such-library")
+    monkeypatch.setitem(registry.BACKENDS, "fsdp-missing", spec)
+    run_dir = tmp_path / "run"
+    for extra in ((), ("--dry-run",)):
+        result = run_launcher_in_process("critic_adapters.train", "--backend", "fsdp-missing", "--nproc", "2",
+                                         f"trainer.run_dir={run_dir}", *extra)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "the fsdp-missing backend cannot run here: no-such-library is not installed. Install: pip install " \
+               "no-such-library" in result.stderr, result.stderr
+        assert not run_dir.exists()
