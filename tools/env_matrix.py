@@ -99,10 +99,11 @@ ENVIRONMENTS = [
                 groups=(*FSDP_SUBSET, "ray"),
                 note="torch is vLLM's in OpenRLHF (not pinned by it): 2.11.0 here; deepspeed not installed (unused)"),
     Environment("vllm-0.34", "vLLM 0.34's torch and transformers, on Python 3.10", "3.10",
-                pins=("torch==2.14.0", "transformers==5.22.2", "megatron-core==0.16.1"),
+                pins=("torch==2.14.0", "transformers==5.20.2", "megatron-core==0.16.1"),
                 extras=("fsdp", "megatron", "lora", "test"),
                 groups=(*FSDP_SUBSET, "megatron"), backends=("fsdp", "megatron"),
-                note="veomni 0.1.12 needs Python >= 3.11: not installed"),
+                note="vLLM 0.34 takes transformers >= 5.16.1, < 5.23; on Python 3.10 the newest served is 5.20.2 "
+                     "(5.21 and later need Python >= 3.11); veomni 0.1.12 needs Python >= 3.11: not installed"),
     Environment("newest", "the newest the registries serve, on Python 3.12", "3.12",
                 pins=("torch==2.14.1", "transformers==5.25.0", "kernels", "trl==1.16.0", "peft==0.21.2", "ray==2.60.0",
                       "megatron-core==0.19.2"),

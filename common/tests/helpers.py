@@ -195,3 +195,16 @@ def assert_same_exported_weights(run_dir, other_run_dir) -> None:
     assert a.keys() == b.keys()
     different = [k for k in a if not (a[k] == b[k]).all()]
     assert not different, f"resumed weights differ from the uninterrupted run in {different}"
+
+
+def skip_without_backend(name: str) -> None:
+    """Skip the test where backend `name`'s library is not installed (an environment without the
+    extra), naming what is missing."""
+    import pytest
+
+    from critic_adapters.common.engine.registry import check_installed
+
+    try:
+        check_installed(name)
+    except ImportError as missing:
+        pytest.skip(str(missing))

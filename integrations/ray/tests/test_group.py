@@ -202,8 +202,10 @@ def test_a_new_group_continues_from_a_checkpoint_bit_identically(ray_cluster, mo
 
 
 def test_megatron_at_tensor_parallel_two_across_the_actors(ray_cluster, models, batch_file, tmp_path):
+    from critic_adapters.common.tests.helpers import skip_without_backend
     from critic_adapters.integrations.ray import RayCriticGroup
 
+    skip_without_backend("megatron")
     batch = rollout_batch(batch_file)
     config = engine_config(models["qwen2"], tensor=2)
     reference = torchrun_update("megatron", models["qwen2"], batch_file, tmp_path / "metrics.pt", tensor=2)
