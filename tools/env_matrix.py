@@ -114,7 +114,8 @@ ENVIRONMENTS = [
 # What the table cannot say, said under it (docs/SUPPORTED.md).
 NOTES = """\
 - pyproject.toml declares what the table shows: Python 3.10 to 3.13, torch 2.11 to 2.14, transformers 5.8
-  to 5.25; the extras' ranges beside them (megatron-core 0.16 on Python <= 3.11, 0.19 on 3.12 and later).
+  to 5.25 (on Python 3.10 transformers goes up to 5.20.2: 5.21 and later need 3.11); the extras' ranges
+  beside them (megatron-core 0.16 on Python <= 3.11, 0.19 on 3.12 and later).
 - VeOmni 0.1.12 is installed with `pip install --no-deps 'veomni==0.1.12'` (its declared timm pulls a
   torchvision that replaces torch) and needs transformers <= 5.22 and packaging < 26 (the `veomni` extra);
   it declares Python 3.11 to 3.12 and runs on 3.13 here. The veomni backend refuses to build without it,
