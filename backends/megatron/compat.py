@@ -37,6 +37,8 @@ The shims, and why each exists (in megatron-core 0.16.1):
      (DistributedOptimizer and Float16OptimizerWithFloat16Params refuse any other: "Wrapped
      parameters must be one of torch.cuda.FloatTensor, ..."), so the distributed optimizer and
      bf16 run on CPU as on GPU. `.type(dtype)` (a conversion) is left alone.
+ 12. megatron-core 0.19's gradient sync (_ParamAndGradBucketGroup.start_grad_sync) asks
+     `torch.cuda.current_stream()` for CUDA-graph events to wait for: a stand-in stream (none on CPU).
 """
 
 from __future__ import annotations
@@ -200,7 +202,15 @@ def _dispatcher_to_host(self, point: str, tokens_per_expert=None):
 
 
 class _NoStream:
-    """Where megatron keeps its CUDA side stream (never used on CPU: _dispatcher_to_host)."""
+    """Where megatron keeps its CUDA side stream (never used on CPU: _dispatcher_to_host), and the
+    current stream megatron-core 0.19's gradient sync asks for (shim 12): on CPU there is no CUDA
+    graph replay whose event it could wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
 
 
 _ABSENT = object()  # an attribute the shim adds (removed again on disable)
@@ -233,6 +243,7 @@ def _shims() -> list[tuple[object, str, object]]:
         (rotary_pos_embedding.RotaryEmbedding, "get_emb", _rope_get_emb),
         (mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor),
         (torch.cuda, "current_device", lambda: torch.device("cpu")),
+        (torch.cuda, "current_stream", lambda *args, **kwargs: _NoStream()),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (torch.cuda, "empty_cache", lambda: None),
         (clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm),
