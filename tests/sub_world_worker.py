@@ -29,6 +29,20 @@ CRITIC_RANKS = [2, 3]
 SUB_WORLD_BACKENDS = ("fsdp", "veomni")
 
 
+def installed(backends) -> tuple[str, ...]:
+    """Those of `backends` whose library this environment has (tools/env-matrix runs this without VeOmni)."""
+    from critic_adapters.common.engine.registry import check_installed
+
+    out = []
+    for backend in backends:
+        try:
+            check_installed(backend)
+            out.append(backend)
+        except ImportError:
+            pass
+    return tuple(out)
+
+
 def engine_config(model_dir: str) -> EngineConfig:
     return EngineConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3, grad_clip=1.0),
                         loss=LossConfig(clip_range=None), batching=BatchingConfig(micro_batch_tokens=64))
@@ -119,7 +133,7 @@ def main() -> None:
             build_engine("megatron", config, dist, mesh=critic_mesh).close()
         except ValueError as err:
             out["refused"] = {"megatron": str(err)}
-        for backend in SUB_WORLD_BACKENDS:
+        for backend in installed(SUB_WORLD_BACKENDS):
             out[backend] = critic_run(backend, config, dist, critic_mesh, batch_file, os.path.join(out_dir, backend))
     out["megatron_groups"] = megatron_groups_from_the_mesh_vs_megatrons_own(dist)
     torch.save(out, os.path.join(out_dir, f"rank{dist.rank}.pt"))
