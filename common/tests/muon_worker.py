@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from critic_adapters.common.engine import optimizers
+from critic_adapters.common.parallel.distributed import init_distributed, shutdown
 
 # Rows that split unevenly (5 over 2 ranks: 3 + 2; 1 row: 1 + 0), wide and tall matrices, more
 # matrices than ranks.
@@ -51,12 +52,12 @@ def run(shared: bool) -> list[torch.Tensor]:
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo")
+    init_distributed()  # gloo on CPU; shutdown() stops the groups' threads before exit (no abort at exit)
     shared, whole = run(True), run(False)
     owners = optimizers.share_matrices(SHAPES, dist.get_world_size())
     if dist.get_rank() == 0:
         torch.save({"shared": shared, "whole": whole, "owners": owners}, out)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":
