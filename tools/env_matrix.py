@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         for record in records:
             if record["name"] in by_name and "error" not in record:
                 kept = by_name[record["name"]]
+                if "error" in kept:  # its install failed before: this run's record replaces it whole
+                    by_name[record["name"]] = record
+                    continue
                 kept["groups"].update(record["groups"])
                 kept["versions"] = record["versions"]
             else:
