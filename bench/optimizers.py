@@ -84,13 +84,17 @@ def orthogonalise_times(engine, repeats: int) -> dict:
     return {"own_share_s": own, "every_matrix_s": every, "ratio": own / every, "matrices": len(shapes)}
 
 
+def _default_row_length() -> int:
+    """The default job's rollouts' mean length in tokens (its embedded data)."""
+    from critic_adapters.common.learning.data import make_default_records
+
+    return round(statistics.mean(len(r["input_ids"]) for r in make_default_records(256, seed=0)))
+
+
 def update_rows(tokens_per_mini_batch: int) -> tuple[int, int]:
     """(rows, length) of a mini-batch of about `tokens_per_mini_batch` tokens, in rows of the default
     job's mean length."""
-    from critic_adapters.common.learning.data import make_default_records
-
-    records = make_default_records(256, seed=0)
-    length = round(statistics.mean(len(r["input_ids"]) for r in records))
+    length = _default_row_length()
     return max(1, round(tokens_per_mini_batch / length)), length
 
 
@@ -99,12 +103,10 @@ def default_job_mini_batch_tokens() -> int:
     import yaml
 
     from critic_adapters.common.job.launcher import DEFAULT_JOB
-    from critic_adapters.common.learning.data import make_default_records
 
     with open(DEFAULT_JOB) as f:
         rows = yaml.safe_load(f)["data"]["mini_batch_size"]
-    records = make_default_records(256, seed=0)
-    return round(rows * statistics.mean(len(r["input_ids"]) for r in records))
+    return rows * _default_row_length()
 
 
 def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int, update_tokens: int = 0) -> None:

@@ -23,24 +23,11 @@ from critic_adapters.common.engine.config import BatchingConfig, EngineConfig, L
 from critic_adapters.common.parallel.distributed import init_distributed, process_group_backend, shutdown
 from critic_adapters.common.engine import RolloutBatch, build_engine
 from critic_adapters.common.engine.mesh import build_mesh
-from critic_adapters.common.tests.helpers import FIELDS
+from critic_adapters.common.tests.helpers import FIELDS, installed_backends
 
 CRITIC_RANKS = [2, 3]
-SUB_WORLD_BACKENDS = ("fsdp", "veomni")
+SUB_WORLD_BACKENDS = ("fsdp", "veomni")  # those installed run (tools/env-matrix runs this without VeOmni)
 
-
-def installed(backends) -> tuple[str, ...]:
-    """Those of `backends` whose library this environment has (tools/env-matrix runs this without VeOmni)."""
-    from critic_adapters.common.engine.registry import check_installed
-
-    out = []
-    for backend in backends:
-        try:
-            check_installed(backend)
-            out.append(backend)
-        except ImportError:
-            pass
-    return tuple(out)
 
 
 def engine_config(model_dir: str) -> EngineConfig:
@@ -133,7 +120,7 @@ def main() -> None:
             build_engine("megatron", config, dist, mesh=critic_mesh).close()
         except ValueError as err:
             out["refused"] = {"megatron": str(err)}
-        for backend in installed(SUB_WORLD_BACKENDS):
+        for backend in installed_backends(SUB_WORLD_BACKENDS):
             out[backend] = critic_run(backend, config, dist, critic_mesh, batch_file, os.path.join(out_dir, backend))
     out["megatron_groups"] = megatron_groups_from_the_mesh_vs_megatrons_own(dist)
     torch.save(out, os.path.join(out_dir, f"rank{dist.rank}.pt"))

@@ -11,10 +11,9 @@ import torch
 
 from critic_adapters.common.engine import shift_to_tokens
 from critic_adapters.common.testdata import save_tiny_causal_lm
-from critic_adapters.common.tests.helpers import run_pytest, save_rollout_batch, skip_without_backend
+from critic_adapters.common.tests.helpers import installed_backends, run_pytest, save_rollout_batch, skip_without_backend
 from critic_adapters.common.tests.torchrun import run_torchrun
 from critic_adapters.common.valuehead import compute_values, load_critic
-from critic_adapters.tests.sub_world_worker import installed
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def _plain_values(model_dir, batch) -> torch.Tensor:
 def test_the_actor_ranks_ran_their_own_collectives_and_the_critic_its(run):
     assert [r["in_critic"] for r in run["ranks"]] == [False, False, True, True]
     assert [r["actor_sum"] for r in run["ranks"][:2]] == [40.0, 40.0]  # 20 all-reduces of 1 + 1
-    for backend in installed(BACKENDS):
+    for backend in installed_backends(BACKENDS):
         assert [r[backend]["dp"] for r in run["ranks"][2:]] == [(0, 2, 2), (1, 2, 2)]
 
 

@@ -197,14 +197,27 @@ def assert_same_exported_weights(run_dir, other_run_dir) -> None:
     assert not different, f"resumed weights differ from the uninterrupted run in {different}"
 
 
-def skip_without_backend(name: str) -> None:
-    """Skip the test where backend `name`'s library is not installed (an environment without the
-    extra), naming what is missing."""
-    import pytest
-
+def _missing_library(name: str) -> str | None:
+    """Why backend `name` cannot run here (its library is not installed), or None."""
     from critic_adapters.common.engine.registry import check_installed
 
     try:
         check_installed(name)
     except ImportError as missing:
-        pytest.skip(str(missing))
+        return str(missing)
+    return None
+
+
+def installed_backends(names) -> tuple[str, ...]:
+    """Those of `names` whose library this environment has."""
+    return tuple(name for name in names if _missing_library(name) is None)
+
+
+def skip_without_backend(name: str) -> None:
+    """Skip the test where backend `name`'s library is not installed (an environment without the
+    extra), naming what is missing."""
+    import pytest
+
+    missing = _missing_library(name)
+    if missing:
+        pytest.skip(missing)
