@@ -2,6 +2,8 @@
 
   critic-adapters train [--backend NAME] [--nproc N] [CONFIG.yaml ...] [key=value ...]
                                          train a critic (python -m critic_adapters.train; --help for the keys)
+  critic-adapters serve --token-file F [--nproc N] [CONFIG.yaml ...] [key=value ...]
+                                         the critic over HTTP (python -m critic_adapters.serve, docs/SERVE.md)
   critic-adapters inspect CKPT           what a checkpoint is and how it would load
   critic-adapters convert SRC DST        any critic format -> HF TokenClassification
   critic-adapters values CKPT ...        values of some tokens, or of a rollouts file
@@ -28,11 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         from .train import main as train
 
         exit_process(train(rest))
+    if command == "serve":
+        from .serve.launch import main as serve
+
+        return serve(rest)
     if command in _CHECKPOINT_COMMANDS:
         from .common.valuehead.cli import main as checkpoint_cli
 
         return checkpoint_cli(argv)
-    print(f"critic-adapters: unknown command {command!r}; the commands are train, "
+    print(f"critic-adapters: unknown command {command!r}; the commands are train, serve, "
           f"{', '.join(_CHECKPOINT_COMMANDS)} (critic-adapters --help)", file=sys.stderr)
     return 2
 

@@ -49,6 +49,9 @@ class LauncherSpec:
     run: Callable[[argparse.Namespace, object], int] | None = None
     """run(args, config) -> exit code, in this process, instead of torchrun processes running the
     trainer (the Ray launcher: the trainer drives a Ray worker group)."""
+    job_defaults: tuple[str, ...] = ()
+    """key=value settings of this launcher's own, a layer after the backend's job_defaults (the
+    critic service's: a constant LR, its own run_dir)."""
 
 
 def exit_process(code: int) -> None:
@@ -132,7 +135,8 @@ def _user_layers(args, spec: LauncherSpec) -> tuple[list[str], list[str], str | 
 
         backend = args.backend or declared_backend([], overrides) or spec.backend or "fsdp"
         defaults = ("job_defaults", backend_spec(backend).job_defaults)
-        run_dir = load_train_config([DEFAULT_JOB, defaults], overrides).trainer.run_dir
+        own = [("launcher defaults", spec.job_defaults)] if spec.job_defaults else []
+        run_dir = load_train_config([DEFAULT_JOB, defaults, *own], overrides).trainer.run_dir
         saved = os.path.join(os.path.abspath(run_dir), "config.yaml")
         saved = saved if os.path.isfile(saved) else None
     return yamls, overrides, saved
@@ -175,7 +179,8 @@ def _load_config(args, spec: LauncherSpec, *, say=print):
                 say(f"resume: the run's settings from {saved}, with the command line's overrides")
             return config
         defaults = (f"the {backend} backend's job_defaults", (f"backend={backend}", *backend_spec(backend).job_defaults))
-        return load_train_config([DEFAULT_JOB, defaults, *yamls], overrides)
+        own = [(f"python -m {spec.module}'s defaults", spec.job_defaults)] if spec.job_defaults else []
+        return load_train_config([DEFAULT_JOB, defaults, *own, *yamls], overrides)
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
 
@@ -232,23 +237,38 @@ def say_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def parse_command_line(spec: LauncherSpec, argv: list[str] | None) -> tuple[list[str], argparse.Namespace]:
+    """(argv, its parsed arguments); under `bazel run`, relative paths mean the user's directory."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "BUILD_WORKING_DIRECTORY" in os.environ:
+        os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
+    return argv, _parse(argv, spec)
+
+
+def configured(args, spec: LauncherSpec):
+    """The config of a parsed command line (ValueError / OSError / ImportError when it is refused), said once
+    (by the launching process); None once --print-config has printed it."""
+    quiet = "LOCAL_RANK" in os.environ or os.environ.get("RANK", "0") != "0"
+    config = _load_config(args, spec, say=(lambda *a, **k: None) if quiet else say)
+    if args.print_config:
+        from ..engine.config import to_yaml
+
+        print(to_yaml(config))
+        return None
+    return config
+
+
 def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
     """The whole launcher: parse, check, (re)launch under torchrun, train; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "BUILD_WORKING_DIRECTORY" in os.environ:  # `bazel run`: relative paths mean the user's directory
-        os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
-    args = _parse(argv, spec)
+    argv, args = parse_command_line(spec, argv)
     under_torchrun = "LOCAL_RANK" in os.environ
     rank0 = os.environ.get("RANK", "0") == "0"
     # The config, then (outside torchrun) the job's plan: backend, layout, model and run_dir checked
     # before any process starts or anything is written; one line, once. A torchrun worker plans in
     # the trainer, on every rank of its world.
     try:
-        config = _load_config(args, spec, say=say if rank0 and not under_torchrun else (lambda *a, **k: None))
-        if args.print_config:
-            from ..engine.config import to_yaml
-
-            print(to_yaml(config))
+        config = configured(args, spec)
+        if config is None:
             return 0
         plan = None if under_torchrun else _plan(args, config)
     except (ValueError, OSError, ImportError) as err:  # ImportError: the backend's library (check_installed)

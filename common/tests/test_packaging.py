@@ -114,7 +114,8 @@ def test_the_wheel_holds_the_product_and_its_data_and_no_tests(wheel):
     for needed in ("critic_adapters/__init__.py", "critic_adapters/train.py", "critic_adapters/console.py",
                    "critic_adapters/common/job/default_job.yaml", "critic_adapters/common/testdata/configs/qwen2.json",
                    "critic_adapters/bench/configs/qwen2_5_0_5b.json", "critic_adapters/backends/megatron/engine.py",
-                   "critic_adapters/integrations/verl/engine.py", "critic_adapters/integrations/ray/group.py"):
+                   "critic_adapters/integrations/verl/engine.py", "critic_adapters/integrations/ray/group.py",
+                   "critic_adapters/serve/app.py", "critic_adapters/serve/client.py"):
         assert needed in names, f"the wheel lacks {needed}"
     tests = sorted(n for n in names if "/tests/" in n or os.path.basename(n).startswith("test_"))
     assert not tests, f"the wheel ships test modules: {tests[:5]}"
@@ -129,7 +130,7 @@ def test_the_wheel_declares_its_dependencies_extras_and_entry_points(wheel):
     core = {_normal(r.name) for r in requires if not r.marker}
     assert {"torch", "transformers", "safetensors", "omegaconf", "pyarrow"} <= core, core
     extras = set(message.get_all("Provides-Extra"))
-    assert {"fsdp", "megatron", "veomni", "ray", "verl", "lora", "trl", "vision", "test"} <= extras, extras
+    assert {"fsdp", "megatron", "veomni", "ray", "verl", "lora", "trl", "vision", "serve", "test"} <= extras, extras
     megatron = [r for r in requires if r.name == "megatron-core"]
     assert {str(r.specifier) for r in megatron if r.marker.evaluate({"extra": "megatron", "python_version": "3.11"})} \
         == {"<0.17,>=0.16.1"}

@@ -1,0 +1,342 @@
+"""Serve a PPO critic over HTTP: python -m critic_adapters.serve [CONFIG.yaml ...] [key=value ...] --token-file F
+
+  python -m critic_adapters.serve --token-file user.token --admin-token-file admin.token --nproc 2
+  python -m critic_adapters.serve cfg.yaml --token-file t --port 8000 --resume     # a run's last checkpoint
+  python -m critic_adapters.serve --token-file t --ray --nproc 2                   # ranks as Ray actors
+
+The training launcher's config, layout, flags and key=value overrides (python -m critic_adapters.train;
+the service's defaults: a constant LR without warm-up, trainer.run_dir=outputs/serve), then the critic
+behind FastAPI on uvicorn: torchrun ranks with rank 0 serving (serve/ranks.py), or a RayCriticGroup
+driven from this process (--ray; --address joins a cluster). It prints `serving on http://H:P` once it
+answers. Routes, statuses and the client: docs/SERVE.md. SIGTERM (or Ctrl-C) stops accepting, finishes
+what is in flight, saves when --save-on-exit, and exits 0.
+
+Exactly-once updates: every answered update is in run_dir/serve/journal.jsonl (fsync'd before its
+answer) until the next checkpoint (--save-every N updates); --resume loads the last checkpoint and
+applies the journal again, so a retried update is applied once across a restart too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+from ..common.job.launcher import (LauncherSpec, _relaunch_under_torchrun, _without_nproc, configured, fail,
+                                   parse_command_line, say, say_error)
+
+SERVE_DEFAULTS = ("engine.optim.lr_schedule=constant", "engine.optim.warmup_ratio=null",
+                  "trainer.run_dir=outputs/serve")
+"""A service has no data to count its steps from: a constant LR, no warm-up ratio (engine.optim.warmup_steps
+still works), and a run_dir of its own."""
+STATUS_ENV = "CRITIC_SERVE_STATUS_FILE"
+"""Where rank 0 says it stopped cleanly: torchrun's agent ends with the signal's code even then."""
+JOURNAL = os.path.join("serve", "journal.jsonl")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the service")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    group.add_argument("--token-file", help="file holding the bearer token every route but /v1/health needs "
+                                            "(required; tokens never go on the command line)")
+    group.add_argument("--admin-token-file", help="file holding the admin token (save, load, offload, onload); "
+                                                  "without it the admin routes are off")
+    group.add_argument("--token-budget", type=int, default=16384,
+                       help="tokens in one engine values call when batching requests (default 16384)")
+    group.add_argument("--max-wait-ms", type=float, default=5.0,
+                       help="how long a values request waits for others to join its engine call (default 5)")
+    group.add_argument("--max-queue", type=int, default=1024, help="requests waiting at once; more get 429 (default 1024)")
+    group.add_argument("--max-body-bytes", type=int, default=64 << 20, help="largest request body (default 64 MiB)")
+    group.add_argument("--max-rows", type=int, default=256, help="rows in one request (default 256)")
+    group.add_argument("--save-every", type=int, default=50,
+                       help="checkpoint every N updates, which also empties the journal (default 50; 0: only "
+                            "when asked and at exit with --save-on-exit)")
+    group.add_argument("--save-on-exit", action="store_true", help="checkpoint after the last request on SIGTERM")
+    group.add_argument("--no-batching", action="store_true", help="one engine call per values request (a baseline)")
+    group.add_argument("--ray", action="store_true", help="the engine's ranks as Ray actors in this process's group")
+    group.add_argument("--address", default=None, help="with --ray: a Ray cluster to join (default: a local one)")
+
+
+def read_token(path: str | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: {err.strerror}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"{flag} {path}: the file must hold one token (no spaces), it holds "
+                         f"{'nothing' if not token else 'spaces'}")
+    if len(token) < 16:
+        raise ValueError(f"{flag} {path}: a token of {len(token)} characters is too easy to guess; use at least 16 "
+                         f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path})")
+    return token
+
+
+def _tokens(args) -> tuple[str, str | None]:
+    if args.token_file is None:
+        raise ValueError("--token-file is required: a file holding the bearer token clients send")
+    user = read_token(args.token_file, "--token-file")
+    admin = read_token(args.admin_token_file, "--admin-token-file")
+    if admin is not None and admin == user:
+        raise ValueError("--admin-token-file holds the same token as --token-file: the admin token must differ")
+    return user, admin
+
+
+def check_run_dir(config, *, resume: bool) -> str | None:
+    """The serving run's checkpoint to load (None: none), or ValueError: a fresh server in a run_dir with
+    checkpoints or a journal, a --resume with neither, a run_dir another run holds or one not writable."""
+    from ..common.job.run_lock import check_not_in_use
+    from ..common.storage import checkpoints
+    from ..common.storage.atomic_dir import unwritable_reason
+
+    run_dir = os.path.abspath(config.trainer.run_dir)
+    check_not_in_use(run_dir)
+    latest = checkpoints.find_latest(os.path.join(run_dir, "checkpoints"))
+    journal = os.path.join(run_dir, JOURNAL)
+    has_journal = os.path.isfile(journal) and os.path.getsize(journal) > 0
+    if not resume and (latest or has_journal):
+        what = os.path.basename(latest) if latest else "updates in serve/journal.jsonl"
+        raise ValueError(f"{run_dir} already holds a critic's state ({what}); pass --resume to serve it, or choose "
+                         f"another trainer.run_dir")
+    if resume and not (latest or has_journal):
+        raise ValueError(f"--resume: {run_dir} holds no checkpoint and no journal to serve; start without --resume")
+    reason = unwritable_reason(config.trainer.run_dir)
+    if reason:
+        raise ValueError(f"trainer.run_dir={config.trainer.run_dir} is not writable: {reason}")
+    return latest
+
+
+def _check(args, config) -> int:
+    """Every check before a process starts; returns the process count."""
+    from ..common.engine.registry import check_engine_config, check_installed, check_layout
+
+    for flag in ("token_budget", "max_queue", "max_body_bytes", "max_rows"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    if args.max_wait_ms < 0 or args.save_every < 0:
+        raise ValueError("--max-wait-ms and --save-every must be >= 0")
+    if config.engine.optim.lr_schedule == "cosine" and config.engine.optim.total_steps is None:
+        raise ValueError("engine.optim.lr_schedule=cosine needs engine.optim.total_steps for a service (it has no data "
+                         "to count steps from), or use lr_schedule=constant")
+    check_engine_config(config.backend, config.engine)
+    check_installed(config.backend)
+    processes = args.nproc or config.engine.parallel.min_world_size
+    if not config.engine.model.path.startswith("embedded:"):
+        check_layout(config.backend, config.engine, processes)
+    check_run_dir(config, resume=args.resume)
+    return processes
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = LauncherSpec(module=__spec__.name.rsplit(".", 1)[0], doc=__doc__, add_arguments=add_serve_arguments,
+                        job_defaults=SERVE_DEFAULTS)
+    argv, args = parse_command_line(spec, argv)
+    under_torchrun = "LOCAL_RANK" in os.environ
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        config = configured(args, spec)
+        if config is None:
+            return 0
+        tokens = _tokens(args)
+        processes = None if under_torchrun else _check(args, config)
+    except (ValueError, OSError, ImportError) as err:
+        if rank0:
+            say_error(str(err))
+        return 2
+    if args.dry_run:
+        say(f"would serve the {config.backend} critic of {config.engine.model.path} on {processes} rank(s) "
+            f"({config.engine.parallel.describe(processes)}) at http://{args.host}:{args.port}, run_dir "
+            f"{os.path.abspath(config.trainer.run_dir)}")
+        return 0
+    if args.ray and not under_torchrun:
+        return _serve_on_ray(args, config, tokens, processes)
+    if processes is not None and processes > 1:
+        return _torchrun(args, argv, spec, processes)
+    return serve_rank(args, config, tokens)
+
+
+def _torchrun(args, argv: list[str], spec: LauncherSpec, processes: int) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="critic-serve-") as tmp:
+        status = os.path.join(tmp, "status")
+        os.environ[STATUS_ENV] = status
+        code = _relaunch_under_torchrun(processes, [*_without_nproc(argv)], spec.module)
+        clean = os.path.isfile(status)
+    # SIGTERM / Ctrl-C reach torchrun's agent, which passes them on and ends with 128 + the signal even
+    # when rank 0 drained and every rank exited 0.
+    return 0 if clean and code in (0, 130, 143) else code
+
+
+def _critic_config(config, model_path: str, processes: int):
+    import dataclasses
+
+    from ..common.engine.registry import check_layout
+
+    engine = dataclasses.replace(config.engine, model=dataclasses.replace(config.engine.model, path=model_path))
+    return check_layout(config.backend, engine, processes).critic_config
+
+
+def serve_rank(args, config, tokens) -> int:
+    """One torchrun rank (or the only process): build the engine; rank 0 serves, the others follow."""
+    import dataclasses
+
+    from ..common.engine.registry import build_engine
+    from ..common.job.lifeline import LAUNCHER_PID_ENV, exit_when_gone
+    from ..common.job.trainer import resolve_model_path
+    from ..common.parallel.distributed import init_distributed, shutdown
+    from .ranks import RankZeroCritic, close_command_group, command_group, follow
+
+    if LAUNCHER_PID_ENV in os.environ:
+        exit_when_gone(int(os.environ[LAUNCHER_PID_ENV]))
+    dist = None
+    try:
+        timeout = config.engine.collective_timeout_s
+        dist = init_distributed(timeout_s=timeout)
+        run_dir = os.path.abspath(config.trainer.run_dir)
+        if dist.is_main:
+            os.makedirs(run_dir, exist_ok=True)
+        model_path = resolve_model_path(config.engine.model.path, run_dir, dist)
+        engine_config = dataclasses.replace(config.engine, model=dataclasses.replace(config.engine.model,
+                                                                                      path=model_path))
+        engine = build_engine(config.backend, engine_config, dist)
+        group = command_group(dist.world_size)
+        if not dist.is_main:
+            follow(engine, group, timeout)
+            close_command_group(group)
+            group = None  # its gloo threads end with the last reference
+            engine.close()
+            shutdown()
+            return 0
+        critic, group = RankZeroCritic(engine, group, timeout), None
+        try:
+            serve(critic, args, config, tokens, _critic_config(config, model_path, dist.world_size), say=say)
+        finally:
+            critic.close()
+        engine.close()
+    except BaseException as err:  # noqa: BLE001 - reported as the training launcher reports it
+        return fail(err, dist)
+    shutdown()
+    if os.environ.get(STATUS_ENV):
+        open(os.environ[STATUS_ENV], "w").close()
+    return 0
+
+
+def _serve_on_ray(args, config, tokens, processes: int) -> int:
+    import dataclasses
+
+    import torch
+
+    from ..common.job.trainer import resolve_model_path
+    from ..common.parallel.distributed import DistContext
+    from ..integrations.ray.cluster import ensure_ray, shutdown_ray
+    from ..integrations.ray.group import RayCriticGroup
+
+    driver = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    try:
+        ensure_ray(args.address)
+        run_dir = os.path.abspath(config.trainer.run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        model_path = resolve_model_path(config.engine.model.path, run_dir, driver)
+        engine_config = dataclasses.replace(config.engine, model=dataclasses.replace(config.engine.model,
+                                                                                      path=model_path))
+        say(f"starting {processes} Ray worker(s)")
+        with RayCriticGroup(config.backend, engine_config, processes) as group:
+            serve(group, args, config, tokens, _critic_config(config, model_path, processes), say=say)
+    except BaseException as err:  # noqa: BLE001
+        return fail(err, None)
+    finally:
+        shutdown_ray()
+    return 0
+
+
+def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
+    """The server over `critic` (RankZeroCritic or RayCriticGroup) until SIGTERM / Ctrl-C."""
+    import uvicorn
+
+    from ..common.engine.config import to_yaml
+    from ..common.job.run_lock import run_dir_lock
+    from ..common.storage import checkpoints
+    from .app import build_app
+    from .batcher import Batcher, BatchingConfig
+    from .ledger import Journal, Ledger
+    from .metrics import Metrics
+    from .schema import Limits, update_request
+
+    run_dir = os.path.abspath(config.trainer.run_dir)
+    root = os.path.join(run_dir, "checkpoints")
+    text = critic_config.get_text_config()
+    limits = Limits(vocab_size=text.vocab_size, max_positions=getattr(text, "max_position_embeddings", None),
+                    max_rows=args.max_rows, max_tokens=max(args.token_budget, 65536))
+    metrics = Metrics()
+    with run_dir_lock(run_dir):
+        os.makedirs(root, exist_ok=True)
+        checkpoints.prune(root, keep_last=config.trainer.keep_last)  # staging left by an interrupted save
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(config))
+        journal = Journal(os.path.join(run_dir, JOURNAL))
+        batcher = Batcher(critic, BatchingConfig(token_budget=args.token_budget, max_wait_s=args.max_wait_ms / 1000,
+                                                 max_queue=args.max_queue, batching=not args.no_batching),
+                          ledger=Ledger(), journal=journal, checkpoint_root=root, save_every=args.save_every,
+                          keep_last=config.trainer.keep_last, metrics=metrics, say=say)
+        if args.resume:
+            _resume(batcher, root, journal, limits, critic_config, update_request, say)
+        batcher.start()
+        app = build_app(batcher, limits=limits, critic_config=critic_config, user_token=tokens[0],
+                        admin_token=tokens[1], max_body_bytes=args.max_body_bytes, metrics=metrics)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               access_log=False, lifespan="off"))
+        threading.Thread(target=_announce, args=(server, args.host, say), daemon=True).start()
+        # uvicorn raises the signal that stopped it again once it has, under the handlers it found: these
+        # make that a no-op, so that the queued work, the save and a clean exit still happen.
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            server.run()  # until SIGTERM / SIGINT: stops accepting, waits for the requests in flight
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        say("stopping: finishing the queued work")
+        batcher.stop()
+        if args.save_on_exit:
+            batcher.save(None)
+    say(f"stopped at version {batcher.version}")
+
+
+def _resume(batcher, root: str, journal, limits, critic_config, update_request, say) -> None:
+    """The last checkpoint (weights, ledger), then the journal's updates past it, in order."""
+    from ..common.storage import checkpoints
+    from .batcher import LEDGER_KEY
+    from .ledger import Ledger
+
+    latest = checkpoints.find_latest(root)
+    if latest is not None:
+        state = batcher.critic.load_checkpoint(latest)
+        batcher.ledger = Ledger(state.get(LEDGER_KEY))
+        batcher.version = batcher.critic.version
+        say(f"resumed from {latest} at version {batcher.version} ({len(batcher.ledger)} update answers kept)")
+    pending = [entry for entry in journal.entries() if entry["answer"]["version"] > batcher.version]
+    for entry in pending:
+        answer = batcher.apply(update_request(entry["body"], limits, critic_config))
+        if answer["version"] != entry["answer"]["version"]:
+            raise RuntimeError(f"the journal's update {entry['body']['request_id']!r} was answered at version "
+                               f"{entry['answer']['version']} but applies at {answer['version']}: the journal does not "
+                               f"continue the checkpoint; move {journal.path} away to serve the checkpoint as it is")
+        batcher.ledger.record(entry["body"]["request_id"], entry["digest"], entry["answer"])  # the first answer
+    if pending:
+        say(f"applied the journal's {len(pending)} update(s) after the checkpoint again: version {batcher.version}")
+    batcher.metrics.set(version=batcher.version)
+
+
+def _announce(server, host: str, say) -> None:
+    import time
+
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    say(f"serving on http://{host}:{port}")

@@ -1,0 +1,93 @@
+"""What the service's tests share: a server process on loopback, raw HTTP calls, the in-process critic."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import torch
+
+STARTUP_S = 600  # a bound for a stuck server, not a timing assumption
+
+
+def write_tokens(tmp) -> tuple[str, str]:
+    """user.token and admin.token in `tmp`; returns (user, admin)."""
+    for name in ("user", "admin"):
+        (tmp / f"{name}.token").write_text(secrets.token_urlsafe(24) + "\n")
+    return (tmp / "user.token").read_text().strip(), (tmp / "admin.token").read_text().strip()
+
+
+class Server:
+    """python -m critic_adapters.serve in a session of its own; its output collected by a thread."""
+
+    def __init__(self, tmp, *flags):
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "critic_adapters.serve", "--nproc", "2", "--port", "0",
+               "--token-file", str(tmp / "user.token"), "--admin-token-file", str(tmp / "admin.token"),
+               "--max-rows", "64", "--max-body-bytes", str(1 << 20), "--save-every", "0",
+               f"trainer.run_dir={tmp / 'run'}", *flags]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                        cwd=tmp, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(STARTUP_S) or self.process.poll() is not None:
+            self.process.kill()
+            raise AssertionError("the server did not start:\n" + "".join(self.lines))
+        self.url = re.search(r"serving on (http://\S+)", "".join(self.lines)).group(1)
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if "serving on http://" in line:
+                self.ready.set()
+        self.ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def call(url: str, path: str, body=None, token: str | None = None, raw: bytes | None = None, method=None):
+    """(status, JSON body, headers) of one request, whatever its status."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            text = response.read().decode()
+            return response.status, (json.loads(text) if text.startswith("{") else text), response.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}"), err.headers
+
+
+def random_rows(rng: random.Random, count: int, vocab: int = 1000) -> tuple[list, list]:
+    """`count` rows of random lengths, right-padded to the longest."""
+    lengths = [rng.randint(3, 40) for _ in range(count)]
+    width = max(lengths)
+    ids = [[rng.randrange(vocab) for _ in range(n)] + [0] * (width - n) for n in lengths]
+    mask = [[1] * n + [0] * (width - n) for n in lengths]
+    return ids, mask
+
+
+def reference_critic(model_dir: str):
+    from critic_adapters.common.valuehead import compute_values, load_critic
+
+    model, _ = load_critic(model_dir)
+    return lambda ids, mask: compute_values(model, torch.tensor(ids), torch.tensor(mask)).detach()
+
+
+def assert_values(answer: list, expected: torch.Tensor, mask: list, what: str) -> None:
+    got, mask = torch.tensor(answer), torch.tensor(mask).bool()
+    assert got.shape == expected.shape, f"{what}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+    diff = float((got - expected).abs()[mask].max())
+    assert diff <= 1e-5, f"{what}: values differ from the in-process critic by {diff}"
+
+
