@@ -70,6 +70,8 @@ class Batcher:
         self._arriving = 0  # values requests the server has accepted and is still reading or checking
         self._thread = threading.Thread(target=self._loop, name="critic-engine", daemon=True)
         self.version = critic.version
+        self.position: dict = {}
+        """The extra state of the checkpoint loaded (a training run's data position), kept in the saves."""
         self.metrics.set(version=self.version)
 
     # -- the server's side ------------------------------------------------------------------------
@@ -198,7 +200,8 @@ class Batcher:
         """A checkpoint with the ledger: under checkpoint_root as step_<version> (marked latest, older ones
         pruned, the journal emptied), or at `path`."""
         directory = path or checkpoints.step_dir(self.checkpoint_root, self.version)
-        self.critic.save_checkpoint(directory, {LEDGER_KEY: self.ledger.entries(), "global_step": self.version})
+        extra_state = {**self.position, "global_step": self.version, LEDGER_KEY: self.ledger.entries()}
+        self.critic.save_checkpoint(directory, extra_state)
         if path is None:
             checkpoints.mark_latest(self.checkpoint_root, directory)
             checkpoints.prune(self.checkpoint_root, keep_last=self.keep_last)
@@ -209,11 +212,17 @@ class Batcher:
     def save(self, path: str | None) -> dict:
         return self._save(path)
 
-    def _load(self, path: str) -> dict:
-        state = self.critic.load_checkpoint(path)
-        self.ledger = Ledger(state.get(LEDGER_KEY))
+    def restore(self, path: str) -> None:
+        """The weights, version and ledger of a checkpoint (a training run's: its data position kept)."""
+        state = dict(self.critic.load_checkpoint(path))
+        self.ledger = Ledger(state.pop(LEDGER_KEY, None))
+        state.pop("extra_tensors", None)
+        self.position = state
         self.version = self.critic.version
         self.metrics.set(version=self.version)
+
+    def _load(self, path: str) -> dict:
+        self.restore(path)
         # The journal's updates were applied to the state just replaced: a restart must start from this
         # one, so it becomes the latest checkpoint.
         self._save(None)

@@ -276,8 +276,9 @@ def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
     with run_dir_lock(run_dir):
         os.makedirs(root, exist_ok=True)
         checkpoints.prune(root, keep_last=config.trainer.keep_last)  # staging left by an interrupted save
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(config))
+        if not (args.resume and os.path.isfile(os.path.join(run_dir, "config.yaml"))):  # a run's own stays
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(config))
         journal = Journal(os.path.join(run_dir, JOURNAL))
         batcher = Batcher(critic, BatchingConfig(token_budget=args.token_budget, max_wait_s=args.max_wait_ms / 1000,
                                                  max_queue=args.max_queue, batching=not args.no_batching),
@@ -309,14 +310,10 @@ def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
 def _resume(batcher, root: str, journal, limits, critic_config, update_request, say) -> None:
     """The last checkpoint (weights, ledger), then the journal's updates past it, in order."""
     from ..common.storage import checkpoints
-    from .batcher import LEDGER_KEY
-    from .ledger import Ledger
 
     latest = checkpoints.find_latest(root)
     if latest is not None:
-        state = batcher.critic.load_checkpoint(latest)
-        batcher.ledger = Ledger(state.get(LEDGER_KEY))
-        batcher.version = batcher.critic.version
+        batcher.restore(latest)
         say(f"resumed from {latest} at version {batcher.version} ({len(batcher.ledger)} update answers kept)")
     pending = [entry for entry in journal.entries() if entry["answer"]["version"] > batcher.version]
     for entry in pending:

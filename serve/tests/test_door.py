@@ -1,0 +1,150 @@
+"""The service's door in this process, over a stand-in critic whose calls the test holds and releases (no
+model, no ranks): a full queue answers 429 with Retry-After; an engine failure answers 500 with the rank's
+message and applies nothing (the retry then applies once); a client that disconnects mid-request costs
+nothing; a stopping server refuses new work with 503."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from critic_adapters.common.tests.helpers import run_pytest
+from critic_adapters.serve.app import build_app
+from critic_adapters.serve.batcher import Batcher, BatchingConfig
+from critic_adapters.serve.ledger import Journal, Ledger
+from critic_adapters.serve.metrics import Metrics
+from critic_adapters.serve.schema import Limits
+
+TOKEN = "user-token-of-the-door-test"
+
+
+class HeldCritic:
+    """compute_values waits for `gate`; update raises `failure` while it is set."""
+
+    def __init__(self):
+        self.version, self.gate, self.failure, self.calls = 0, threading.Event(), None, 0
+        self.entered = threading.Semaphore(0)
+
+    def compute_values(self, input_ids, attention_mask, multi_modal_inputs=None, *, return_version=False):
+        self.calls += 1
+        self.entered.release()
+        assert self.gate.wait(300), "the test never released the critic"
+        return input_ids.float(), self.version
+
+    def update(self, batch):
+        if self.failure is not None:
+            raise self.failure
+        self.version += 1
+        return {"value_loss": 0.25}
+
+
+@pytest.fixture
+def door(tmp_path):
+    import uvicorn
+
+    critic, metrics = HeldCritic(), Metrics()
+    batcher = Batcher(critic, BatchingConfig(max_queue=2, batching=False), ledger=Ledger(),
+                      journal=Journal(str(tmp_path / "serve" / "journal.jsonl")), checkpoint_root=str(tmp_path / "ck"),
+                      save_every=0, keep_last=1, metrics=metrics, say=lambda *_: None)
+    batcher.start()
+    app = build_app(batcher, limits=Limits(vocab_size=100, max_positions=64), critic_config=None, user_token=TOKEN,
+                    admin_token=None, max_body_bytes=1 << 20, metrics=metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:  # a thread's start, not a timing assumption: it either starts or the test hangs
+        assert thread.is_alive(), "the server thread ended"
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    yield url, critic, batcher
+    critic.gate.set()
+    server.should_exit = True
+    thread.join(60)
+    batcher.stop()
+
+
+def _post(url: str, path: str, body: dict):
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), err.headers
+
+
+VALUES = {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]]}
+UPDATE = {"request_id": "u", "input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]], "response_mask": [[0, 1, 1]],
+          "old_values": [[0.0, 0.0, 0.0]], "returns": [[0.0, 1.0, 1.0]]}
+
+
+def _queued(batcher, count: int) -> None:
+    while len(batcher._queue) < count:  # noqa: SLF001 - the state the test waits for
+        time.sleep(0.01)
+
+
+def test_a_full_queue_answers_429_with_retry_after(door):
+    url, critic, batcher = door
+    answers = []
+    waiting = [threading.Thread(target=lambda: answers.append(_post(url, "/v1/values", VALUES))) for _ in range(3)]
+    waiting[0].start()
+    assert critic.entered.acquire(timeout=300)  # the first is in the engine, held
+    for thread in waiting[1:]:
+        thread.start()
+    _queued(batcher, 2)  # --max-queue 2: full
+    status, body, headers = _post(url, "/v1/values", VALUES)
+    assert status == 429 and headers["Retry-After"] == "1", body
+    critic.gate.set()
+    for thread in waiting:
+        thread.join(300)
+    assert sorted(a[0] for a in answers) == [200, 200, 200]
+    assert all(a[1]["values"] == [[1.0, 2.0, 3.0]] for a in answers)
+
+
+def test_an_engine_failure_answers_500_with_its_message_and_applies_nothing(door, tmp_path):
+    url, critic, _ = door
+    critic.failure = RuntimeError("update failed on rank 1: CUDA out of memory")
+    status, body, _ = _post(url, "/v1/update", UPDATE)
+    assert status == 500 and "rank 1: CUDA out of memory" in body["error"]["message"], body
+    assert critic.version == 0
+    assert not (tmp_path / "serve" / "journal.jsonl").exists() or not (tmp_path / "serve" / "journal.jsonl").read_text()
+    critic.failure = None
+    status, body, _ = _post(url, "/v1/update", UPDATE)  # the retry: applied now, once
+    assert status == 200 and body["version"] == 1
+    status, again, headers = _post(url, "/v1/update", UPDATE)
+    assert again == body and headers["X-Critic-Replayed"] == "true" and critic.version == 1
+    critic.failure = ValueError("returns hold NaN")  # the engine's refusal of the input: the caller's to fix
+    assert _post(url, "/v1/update", {**UPDATE, "request_id": "v"})[0] == 422
+
+
+def test_a_client_that_disconnects_costs_nothing(door):
+    url, critic, batcher = door
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(VALUES).encode()
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(b"POST /v1/values HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() +
+                    b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert critic.entered.acquire(timeout=300)  # its work is in the engine when it leaves
+    critic.gate.set()
+    status, answer, _ = _post(url, "/v1/values", VALUES)
+    assert status == 200 and answer["values"] == [[1.0, 2.0, 3.0]]
+    assert batcher._thread.is_alive()  # noqa: SLF001
+    assert critic.calls == 2
+
+
+def test_a_stopping_server_refuses_new_work(door):
+    url, critic, batcher = door
+    critic.gate.set()
+    batcher.stop()
+    status, body, _ = _post(url, "/v1/values", VALUES)
+    assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+if __name__ == "__main__":
+    run_pytest(__file__)
