@@ -120,8 +120,10 @@ def _rows(body: dict, field: str, *, required: bool = True, shape: tuple[int, in
 def _tensor(rows: list, field: str, dtype: torch.dtype) -> torch.Tensor:
     try:
         tensor = torch.tensor(rows, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         raise RequestError(field, "every entry must be a number") from None
+    if tensor.dim() != 2:
+        raise RequestError(field, f"rows of numbers are expected, got {tensor.dim()} levels of lists")
     if dtype == torch.float32:
         bad = ~torch.isfinite(tensor)
         if bool(bad.any()):
@@ -188,12 +190,29 @@ def _unknown(body: dict, allowed: tuple[str, ...]) -> None:
         raise RequestError(unknown[0], f"unknown field; the route takes {', '.join(allowed)}")
 
 
+def _refusing_the_unexpected(parse):
+    """A body that breaks a check this module did not foresee is still the caller's: a 422, never a 500."""
+    import functools
+
+    @functools.wraps(parse)
+    def checked(body, *args, **kwargs):
+        try:
+            return parse(body, *args, **kwargs)
+        except RequestError:
+            raise
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, OverflowError) as err:
+            raise RequestError("body", f"cannot be read as this route's request ({type(err).__name__}: {err})") from None
+    return checked
+
+
+@_refusing_the_unexpected
 def values_request(body: dict, limits: Limits, critic_config=None) -> ValuesRequest:
     _unknown(body, ("input_ids", "attention_mask", "multi_modal_inputs"))
     input_ids, attention_mask = _tokens(body, limits)
     return ValuesRequest(input_ids, attention_mask, _images(body, input_ids, attention_mask, critic_config))
 
 
+@_refusing_the_unexpected
 def update_request(body: dict, limits: Limits, critic_config=None) -> UpdateRequest:
     _unknown(body, ("request_id", *_UPDATE_FIELDS, "multi_modal_inputs"))
     request_id = body.get("request_id")
