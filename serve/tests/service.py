@@ -31,14 +31,18 @@ class Server:
     def __init__(self, tmp, *flags):
         self.lines: list[str] = []
         self.ready = threading.Event()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # Not a torchrun worker, whatever an in-process engine of another test left in the environment.
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                 "MASTER_PORT")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "critic_adapters.serve", "--nproc", "2", "--port", "0",
                "--token-file", str(tmp / "user.token"), "--admin-token-file", str(tmp / "admin.token"),
                "--max-rows", "64", "--max-body-bytes", str(1 << 20), "--save-every", "0",
                f"trainer.run_dir={tmp / 'run'}", *flags]
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                         cwd=tmp, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self.ready.wait(STARTUP_S) or self.process.poll() is not None:
             self.process.kill()
             raise AssertionError("the server did not start:\n" + "".join(self.lines))
@@ -50,6 +54,12 @@ class Server:
             if "serving on http://" in line:
                 self.ready.set()
         self.ready.set()
+
+    def wait(self, timeout: float = 300) -> int:
+        """The exit code, once the process has ended and its output is all read."""
+        code = self.process.wait(timeout=timeout)
+        self._reader.join(timeout)
+        return code
 
     def output(self) -> str:
         return "".join(self.lines)

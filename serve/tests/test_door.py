@@ -1,7 +1,9 @@
 """The service's door in this process, over a stand-in critic whose calls the test holds and releases (no
 model, no ranks): a full queue answers 429 with Retry-After; an engine failure answers 500 with the rank's
 message and applies nothing (the retry then applies once); a client that disconnects mid-request costs
-nothing; a stopping server refuses new work with 503."""
+nothing; a stopping server refuses new work with 503. Then over a one-rank vision critic's engine: images
+sent as JSON come back as the engine's own values with the same tensors, and placeholders without
+pixels are refused before anything runs."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from critic_adapters.common.tests.helpers import run_pytest
 from critic_adapters.serve.app import build_app
@@ -44,29 +47,39 @@ class HeldCritic:
         return {"value_loss": 0.25}
 
 
-@pytest.fixture
-def door(tmp_path):
+def _serving(critic, tmp_path, limits: Limits, critic_config=None, **batching):
+    """(url, batcher, stop) of a server in a thread of this process over `critic`."""
     import uvicorn
 
-    critic, metrics = HeldCritic(), Metrics()
-    batcher = Batcher(critic, BatchingConfig(max_queue=2, batching=False), ledger=Ledger(),
+    metrics = Metrics()
+    batcher = Batcher(critic, BatchingConfig(**batching), ledger=Ledger(),
                       journal=Journal(str(tmp_path / "serve" / "journal.jsonl")), checkpoint_root=str(tmp_path / "ck"),
                       save_every=0, keep_last=1, metrics=metrics, say=lambda *_: None)
     batcher.start()
-    app = build_app(batcher, limits=Limits(vocab_size=100, max_positions=64), critic_config=None, user_token=TOKEN,
-                    admin_token=None, max_body_bytes=1 << 20, metrics=metrics)
+    app = build_app(batcher, limits=limits, critic_config=critic_config, user_token=TOKEN, admin_token=None,
+                    max_body_bytes=1 << 20, metrics=metrics)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:  # a thread's start, not a timing assumption: it either starts or the test hangs
         assert thread.is_alive(), "the server thread ended"
         time.sleep(0.01)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop():
+        server.should_exit = True
+        thread.join(60)
+        batcher.stop()
+    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", batcher, stop
+
+
+@pytest.fixture
+def door(tmp_path):
+    critic = HeldCritic()
+    url, batcher, stop = _serving(critic, tmp_path, Limits(vocab_size=100, max_positions=64), max_queue=2,
+                                  batching=False)
     yield url, critic, batcher
     critic.gate.set()
-    server.should_exit = True
-    thread.join(60)
-    batcher.stop()
+    stop()
 
 
 def _post(url: str, path: str, body: dict):
@@ -144,6 +157,36 @@ def test_a_stopping_server_refuses_new_work(door):
     batcher.stop()
     status, body, _ = _post(url, "/v1/values", VALUES)
     assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+def test_a_vision_critic_takes_its_images_as_json(tmp_path):
+    """multi_modal_inputs as nested lists reach a one-rank qwen2_vl engine as the processor's tensors."""
+    from critic_adapters.common.engine.config import EngineConfig, ModelConfig
+    from critic_adapters.common.engine.registry import build_engine
+    from critic_adapters.common.parallel.distributed import init_distributed
+    from critic_adapters.common.testdata.vision import save_vision_critic, vision_batch
+    from critic_adapters.common.valuehead.load import load_critic
+    from critic_adapters.serve.ranks import RankZeroCritic
+
+    critic_dir = save_vision_critic("qwen2_vl", str(tmp_path / "critic"))
+    engine = build_engine("fsdp", EngineConfig(model=ModelConfig(path=critic_dir)), init_distributed())
+    config = load_critic(critic_dir)[0].config
+    url, _, stop = _serving(RankZeroCritic(engine, None, timeout_s=600), tmp_path,
+                            Limits(vocab_size=config.get_text_config().vocab_size, max_positions=4096), config)
+    try:
+        ids, mask, images = vision_batch(config, [[(1, 4, 4)], [], [(1, 4, 4), (1, 2, 4)]], seed=0)
+        body = {"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
+                "multi_modal_inputs": [{k: v.tolist() for k, v in row.items()} if row else None for row in images]}
+        status, answer, _ = _post(url, "/v1/values", body)
+        assert status == 200, answer
+        expected = engine.compute_values(ids, mask, images)
+        diff = float((torch.tensor(answer["values"]) - expected).abs()[mask.bool()].max())
+        assert diff <= 1e-5, f"values of images sent as JSON differ from the engine's by {diff}"
+        blind = _post(url, "/v1/values", {"input_ids": ids.tolist(), "attention_mask": mask.tolist()})
+        assert blind[0] == 422 and blind[1]["error"]["field"] == "multi_modal_inputs", blind[1]
+    finally:
+        stop()
+        engine.close()
 
 
 if __name__ == "__main__":

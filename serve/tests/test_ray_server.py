@@ -45,7 +45,7 @@ def test_ray_group_behind_the_server(tmp_path):
         assert again == first and headers["X-Critic-Replayed"] == "true"
         assert call(server.url, "/v1/version", token=user)[1]["version"] == 1
         server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=300) == 0, server.output()
+        assert server.wait() == 0, server.output()
         assert "stopped at version 1" in server.output()
     except BaseException:
         if server.process.poll() is None:

@@ -209,7 +209,7 @@ def test_service_end_to_end(tmp_path):
         print(server.output())
         raise
 
-    server = Server(tmp_path, "--resume")
+    server = Server(tmp_path, "--resume", "--save-on-exit")
     url = server.url
     try:
         assert "applied the journal's 1 update(s)" in server.output(), server.output()
@@ -227,8 +227,10 @@ def test_service_end_to_end(tmp_path):
 
         # -- SIGTERM: stop accepting, finish, save, exit 0 -----------------------------------------------
         os.kill(server.process.pid, signal.SIGTERM)
-        assert server.process.wait(timeout=300) == 0, server.output()
-        assert "stopped at version" in server.output()
+        assert server.wait() == 0, server.output()
+        stopping = server.output().split("stopping:")[-1]
+        assert "checkpoint saved" in stopping and "stopped at version 3" in stopping, server.output()
+        assert (tmp_path / "run" / "checkpoints" / "step_000003").is_dir()  # the guide's update was the third
     except BaseException:
         if server.process.poll() is None:
             os.killpg(server.process.pid, signal.SIGKILL)
