@@ -26,7 +26,7 @@ from critic_adapters.common.engine import build_engine
 from critic_adapters.common.engine.config import BatchingConfig, ParallelConfig
 from critic_adapters.common.engine.update_step import StepStats
 from critic_adapters.common.parallel.distributed import init_distributed, shutdown
-from critic_adapters.tests.conformance.worker import engine_config, rollout
+from critic_adapters.tests.conformance.worker import engine_config, planned, rollout
 
 LAYOUTS = {"fsdp4": ParallelConfig(), "hsdp2x2": ParallelConfig(replicate=2)}
 
@@ -122,6 +122,8 @@ def main(backend: str, model_dir: str, out_dir: str) -> None:
         out[name] = {"dp": (engine.dp_rank, engine.dp_size), "layout": placements(engine),
                      "values_before": engine.compute_values(batch.input_ids, batch.attention_mask)}
         out[name]["metrics"] = engine.update(batch)
+        out[name]["memory"] = {"planned": planned(backend, engine_config(model_dir, parallel), dist),
+                               "resident": engine.resident_bytes()}
         out[name]["values_after"] = engine.compute_values(batch.input_ids, batch.attention_mask)
         engine.save_checkpoint(os.path.join(out_dir, name))
         engine.export_hf(os.path.join(out_dir, f"{name}_export"))

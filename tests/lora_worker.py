@@ -22,7 +22,7 @@ import dataclasses
 from critic_adapters.common.engine.config import EngineConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 from critic_adapters.common.parallel.distributed import all_gather_object, init_distributed, shutdown
 from critic_adapters.common.engine.registry import build_engine
-from critic_adapters.tests.conformance.worker import rollout
+from critic_adapters.tests.conformance.worker import planned, rollout
 from critic_adapters.tests.transform_worker import finish
 from critic_adapters.tests.transform_worker import parameters as module_parameters
 
@@ -61,6 +61,7 @@ def run(dist, model_dir: str, workdir: str, backend: str, layout: str, adapter: 
     engine.export_adapter(os.path.join(workdir, "adapter_before"))
     before = parameters(engine)
     metrics = engine.update(batch)
+    memory = {"planned": planned(backend, config, dist), "resident": engine.resident_bytes()}
     after = parameters(engine)
     values_after = engine.compute_values(batch.input_ids, batch.attention_mask)
     engine.export_adapter(os.path.join(workdir, "adapter_after"))
@@ -82,7 +83,7 @@ def run(dist, model_dir: str, workdir: str, backend: str, layout: str, adapter: 
     finish(engine, dist, workdir, {"trainable_all": trainable_all,
         "values_plain": values_plain, "values_before": values_before, "values_after": values_after, "metrics": metrics,
         "before": before, "after": after, "counts": engine.parameter_counts(), "extra": extra,
-        "checkpoint_bytes": checkpoint_bytes, "next": (next_metrics, next_values),
+        "checkpoint_bytes": checkpoint_bytes, "next": (next_metrics, next_values), "memory": memory,
         "resumed": (resumed_metrics, resumed_values)}, leave=False)
 
 

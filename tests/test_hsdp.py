@@ -39,6 +39,11 @@ def test_two_replicas_of_two_shards_are_plain_fsdp_over_four(hsdp_run):
         assert hybrid["layout"]["local_rows"] * 2 == hybrid["layout"]["rows"] == plain["layout"]["local_rows"] * 4
         for key in ("values_before", "values_after"):
             assert torch.allclose(plain[key], hybrid[key], atol=ATOL), (rank, key)
+        # The job plan's bytes (common.engine.memory) after the step: parameters and optimizer state exact.
+        for layout in (plain, hybrid):
+            params, _, optimizer = layout["memory"]["planned"]
+            resident = layout["memory"]["resident"]
+            assert (params, optimizer) == (resident["model"], resident["optimizer"]), (rank, layout["memory"])
         for key in ("value_loss", "grad_norm", "explained_variance", "valid_tokens"):
             assert plain["metrics"][key] == pytest.approx(hybrid["metrics"][key], abs=ATOL), (rank, key)
         # Resumed across replicate degrees: where the other layout's update left the critic, then

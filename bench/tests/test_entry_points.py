@@ -31,7 +31,8 @@ def test_runs_as_a_file_from_another_directory(tmp_path):
                                            ("scale", "--sweep-tokens"), ("rank_memory", "--ranks"),
                                            ("value_learning", "--losses"), ("gae_speed", "--shapes"),
                                            ("multi_turn", "--variants"), ("optimizers", "--skip-jobs"),
-                                           ("vision", "--backends"), ("serve", "--concurrency")])
+                                           ("vision", "--backends"), ("serve", "--concurrency"),
+                                           ("memory_plan", "--device-memory")])
 def test_runs_as_a_module(tmp_path, module, option):
     import ast
 

@@ -21,7 +21,6 @@ equals torch.optim.Muon + torch.optim.AdamW on the same parameter groups of an u
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor

@@ -84,6 +84,9 @@ def _parse(argv: list[str], spec: LauncherSpec) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     parser.add_argument("--dry-run", action="store_true", help="check config, model and rollouts; do not train")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="the memory of one device (e.g. 80GB), for the plan's `memory per rank:` line to say "
+                             "whether a rank fits (default: the local CUDA device's, if any)")
     if spec.add_arguments is not None:
         spec.add_arguments(parser)
     # Intermixed: flags may come after overrides (`cfg.yaml lr=1 --resume x=2`).
@@ -211,6 +214,14 @@ def _plan(args, config):
     return plan
 
 
+def _memory_line(args, plan) -> str:
+    """The plan's `memory per rank:` line (common.engine.memory), against --device-memory or the local device."""
+    from ..engine.memory import local_device_memory, parse_size, plan_memory_line
+
+    device = parse_size(args.device_memory) if args.device_memory else local_device_memory()
+    return plan_memory_line(plan, device)
+
+
 def _job_default_note(config, message: str) -> str:
     """' (engine.parallel.tensor=2 is the megatron backend's job default; ...)' when a refusal may come
     from a parallel degree the backend's job_defaults set rather than the user."""
@@ -271,6 +282,7 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
         if config is None:
             return 0
         plan = None if under_torchrun else _plan(args, config)
+        memory = None if under_torchrun else _memory_line(args, plan)
     except (ValueError, OSError, ImportError) as err:  # ImportError: the backend's library (check_installed)
         if rank0:
             say_error(str(err))
@@ -281,10 +293,11 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
         from .trainer import dry_run
 
         try:
-            dry_run(plan, say=say)
+            dry_run(plan, say=say, memory=memory)
         except BaseException as err:  # noqa: BLE001 - reported as a launch reports it
             return fail(err, None)
         return 0
+    say(memory)
     if args.nproc is None and plan.processes > 1:
         why = plan.processes_note or ("the engine.parallel layout's tensor x pipeline x context x ulysses"
                                       + (" x replicate" if config.engine.parallel.replicate > 1 else "")

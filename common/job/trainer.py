@@ -633,7 +633,7 @@ def resumed_rollouts(plan: JobPlan) -> tuple[Rollouts, Rollouts, Renewal]:
     return train, held_out, refresh
 
 
-def dry_run(plan: JobPlan, *, say=print) -> None:
+def dry_run(plan: JobPlan, *, say=print, memory: str | None = None) -> None:
     """What the job would do, from its plan (every check a launch makes before it starts a process
     has passed), and the rollouts it would train on, checked; builds no engine, trains and writes
     nothing."""
@@ -642,6 +642,8 @@ def dry_run(plan: JobPlan, *, say=print) -> None:
         f"in this one process")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # what the launch's workers on this machine take
     say(precision_line(config.engine.mixed_precision, resolved_config(config, device).engine.mixed_precision, device))
+    if memory is not None:  # the launcher's `memory per rank:` line (common.engine.memory)
+        say(memory)
     if plan.resume is not None:
         resume = plan.resume
         say(f"resume: from {resume.latest} (the critic, its optimizer and the data position come from the "

@@ -72,6 +72,8 @@ def check_pieces(pieces: dict, data_parallel_ranks: int) -> None:
     assert 0 < trainable == total, pieces["counts"]
     assert pieces["data_parallel_ranks"] == data_parallel_ranks
     assert pieces["adapter"] is not None and "engine.lora.rank=0" in pieces["adapter"], pieces["adapter"]
+    memory = pieces["memory"]  # the job plan's bytes (common.engine.memory) where it computes them: exact
+    assert memory["planned"] is None or memory["planned"] == memory["resident"], memory
 
 
 def test_every_engine_has_the_whole_contract_and_its_pieces_work(run):
@@ -201,6 +203,9 @@ def test_each_optimizer_option_steps_as_torchs_own_and_offloaded_state_changes_n
             if knob not in spec.knobs:
                 assert result["refused"] and f"engine.{knob}=" in result["refused"], (name, result)
                 continue
+            # The job plan's optimizer bytes of the option (common.engine.memory), where it computes them: exact.
+            assert result["planned"] is None or result["planned"][2] == result["optimizer_bytes_after_step"], \
+                (name, result["planned"], result["optimizer_bytes_after_step"])
             if name == "offload_state":
                 assert result["metrics"] == plain["metrics"] and result["next"] == plain["next"], (result, plain)
                 assert result["values_after"] == plain["values_after"]  # bit for bit

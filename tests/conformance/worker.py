@@ -278,10 +278,25 @@ def failing_export(engine, workdir: str) -> dict:
     return _outcome(lambda: engine.export_hf(os.path.join(blocker, "hf_export")))
 
 
-def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
+def planned(backend: str, config: EngineConfig, dist) -> list[int] | None:
+    """This rank's (parameters, gradients, optimizer) bytes by the job plan's count, from the config alone."""
+    from critic_adapters.common.engine.memory import state_memory
+    from critic_adapters.common.engine.registry import check_layout
+
+    if backend not in BACKENDS or not isinstance(BACKENDS[backend].factory, str) or \
+            not BACKENDS[backend].factory.startswith(".backends."):
+        return None  # a host's backend: the plan knows only the built-in ones
+    critic_config = check_layout(backend, config, dist.world_size).critic_config
+    state = state_memory(backend, config, critic_config, dist.world_size, dist.rank)
+    return None if state is None else list(state)
+
+
+def step_in_pieces(engine, batch: RolloutBatch, workdir: str, planned=None) -> dict:
     """The contract's other methods: forward_backward (values equal compute_values; with a loss, a
     step_optimizer after zero_grad and a second call moves the critic), parameter counts, the
-    adapter export a critic without LoRA refuses."""
+    adapter export a critic without LoRA refuses. With the plan's (parameters, gradients, optimizer)
+    bytes (common.engine.memory.state_memory), what resident_bytes() said: the gradients after the
+    backward, the parameters and the optimizer state after the step."""
     before = engine.compute_values(batch.input_ids, batch.attention_mask)
     values, loss = engine.forward_backward(batch.input_ids, batch.attention_mask)
     mask = batch.attention_mask.bool()
@@ -293,11 +308,14 @@ def step_in_pieces(engine, batch: RolloutBatch, workdir: str) -> dict:
     engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
     engine.zero_grad()
     trained, loss = engine.forward_backward(batch.input_ids, batch.attention_mask, loss_fn)
+    held_grads = engine.resident_bytes()["grads"]
     # The contract's form (issue 49: fsdp and VeOmni returned them on the device, megatron on the CPU).
     out["returned"] = [str(t.device.type) + " " + str(t.dtype) + (" grad" if t.requires_grad else "")
                        for t in (values, trained, loss)]
     out["loss"] = float(loss)
     out["grad_norm"] = engine.step_optimizer()
+    after_step = engine.resident_bytes()
+    out["memory"] = {"planned": planned, "resident": [after_step["model"], held_grads, after_step["optimizer"]]}
     engine.scheduler.step()
     out["moved"] = float((engine.compute_values(batch.input_ids, batch.attention_mask) - before)[mask].abs().max())
     out["counts"] = list(engine.parameter_counts())
@@ -381,6 +399,7 @@ def optimizer_pass(backend: str, dist, export_dir: str, workdir: str) -> dict:
         result = {"metrics": {k: metrics[k] for k in ("value_loss", "grad_norm")},
                   "values_after_first": engine.compute_values(batch.input_ids, batch.attention_mask).tolist(),
                   "optimizer_bytes_after_step": engine.resident_bytes()["optimizer"],
+                  "planned": planned(backend, config, dist),
                   "offloaded_after_step": sorted(engine.offloaded)}
         saved = os.path.join(workdir, f"ckpt-optim-{name}")
         engine.save_checkpoint(saved)
@@ -416,7 +435,8 @@ def layout_pass(backend: str, layout: str, dist, export_dir: str, reference: tor
            "reports_outputs": engine.parallel.reports_outputs,
            "missing_members": [name for name in contract_members() if not hasattr(engine, name)]}
     out["values_diff"] = _masked_diff(engine.compute_values(ids, mask), reference, mask)
-    out["pieces"] = step_in_pieces(engine, batch, workdir)
+    out["pieces"] = step_in_pieces(engine, batch, workdir, planned(backend, engine_config(export_dir,
+                                                                                   ParallelConfig(**parallel)), dist))
     out["first_update"] = engine.update(rollout(2))
     saved = os.path.join(workdir, f"ckpt-{layout}")
     engine.save_checkpoint(saved)
@@ -458,7 +478,7 @@ def main() -> None:
                      "dp_group_size": torch_dist.get_world_size(engine.dp_group)}
     out["all_dp_ranks"] = sorted(all_gather_object(engine.dp_rank, group=engine.parallel.world_group))
     out["missing_members"] = [name for name in contract_members() if not hasattr(engine, name)]
-    out["pieces"] = step_in_pieces(engine, rollout(dist.rank), workdir)
+    out["pieces"] = step_in_pieces(engine, rollout(dist.rank), workdir, planned(backend, config, dist))
     out["offload"] = offload_phases(engine, rollout(dist.rank))
 
     good = os.path.join(workdir, "ckpt")
