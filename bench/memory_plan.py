@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, offload, state in (("AdamW", False, "float32"), ("AdamW, bf16 moments", False, "bfloat16"),
                                          ("AdamW, state offloaded", True, "float32")):
                 memory = plan(size, ranks, args.tokens, offload=offload, state_dtype=state)
-                rows.append({"model": size, "ranks": ranks, "optimizer": name, **dataclasses.asdict(memory),
+                rows.append({"model": size, "ranks": ranks, "option": name, **dataclasses.asdict(memory),
                              "total": memory.total, "fits": memory.total <= device})
                 print(f"{size:>4} fsdp x{ranks:<2} {name:<24} {memory_line(memory, 'fsdp', device)}", flush=True)
     if args.out:
