@@ -224,9 +224,27 @@ class Batcher:
     def _load(self, path: str) -> dict:
         self.restore(path)
         # The journal's updates were applied to the state just replaced: a restart must start from this
-        # one, so it becomes the latest checkpoint.
+        # one, so it becomes the latest checkpoint; the run's checkpoints at or past its version belong to
+        # the line of updates it replaced, so they move aside (kept) rather than outrank it.
+        self._supersede_from(self.version)
         self._save(None)
         return {"path": path, "version": self.version}
+
+    def _supersede_from(self, version: int) -> None:
+        import os
+        import re
+        import shutil
+        import time
+
+        later = [path for path in checkpoints.complete_checkpoints(self.checkpoint_root)
+                 if int(re.search(r"(\d+)$", os.path.basename(path)).group(1)) >= version]
+        if not later:
+            return
+        aside = os.path.join(self.checkpoint_root, time.strftime("superseded-%Y%m%dT%H%M%S"))
+        os.makedirs(aside, exist_ok=True)
+        for path in later:
+            shutil.move(path, os.path.join(aside, os.path.basename(path)))
+        self.say(f"{len(later)} checkpoint(s) past the loaded version {version} moved to {aside}")
 
     def _offload(self, _) -> dict:
         self.critic.offload()

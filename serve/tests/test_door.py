@@ -8,6 +8,7 @@ pixels are refused before anything runs."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -157,6 +158,55 @@ def test_a_stopping_server_refuses_new_work(door):
     batcher.stop()
     status, body, _ = _post(url, "/v1/values", VALUES)
     assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+class SavingCritic:
+    """Versions, checkpoints as small files (the engine's marker, the extra state), updates that count."""
+
+    def __init__(self):
+        self.version = 0
+
+    def update(self, batch):
+        self.version += 1
+        return {"value_loss": 0.5}
+
+    def save_checkpoint(self, directory, extra_state):
+        from critic_adapters.common.storage.checkpoints import META_FILE
+
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "state.json"), "w") as f:
+            json.dump({"version": self.version, "extra": extra_state}, f)
+        open(os.path.join(directory, META_FILE), "w").close()
+
+    def load_checkpoint(self, directory):
+        with open(os.path.join(directory, "state.json")) as f:
+            state = json.load(f)
+        self.version = state["version"]
+        return state["extra"]
+
+
+def test_a_load_becomes_the_latest_checkpoint_and_moves_the_later_ones_aside(tmp_path):
+    """An admin load of an older state: a restart resumes it (it is the latest, never pruned), its ledger
+    answers, and the checkpoints of the line it replaced are kept aside."""
+    from critic_adapters.common.storage import checkpoints
+    from critic_adapters.serve.schema import Limits, update_request
+
+    root = str(tmp_path / "ck")
+    batcher = Batcher(SavingCritic(), BatchingConfig(), ledger=Ledger(), journal=Journal(str(tmp_path / "j.jsonl")),
+                      checkpoint_root=root, save_every=1, keep_last=2, metrics=Metrics(), say=lambda *_: None)
+    limits = Limits(vocab_size=100, max_positions=64)
+    first = batcher._update(update_request(UPDATE, limits))[0]  # noqa: SLF001 - the engine thread's call
+    batcher.save(str(tmp_path / "snapshot"))  # version 1, with u's answer
+    for index in range(3):
+        batcher._update(update_request({**UPDATE, "request_id": f"later-{index}"}, limits))  # noqa: SLF001
+    assert [os.path.basename(p) for p in checkpoints.complete_checkpoints(root)] == ["step_000003", "step_000004"]
+    batcher._load(str(tmp_path / "snapshot"))  # noqa: SLF001
+    assert batcher.version == 1
+    assert checkpoints.find_latest(root) == checkpoints.step_dir(root, 1)
+    assert [os.path.basename(p) for p in checkpoints.complete_checkpoints(root)] == ["step_000001"]
+    (aside,) = [n for n in os.listdir(root) if n.startswith("superseded-")]
+    assert sorted(os.listdir(os.path.join(root, aside))) == ["step_000003", "step_000004"]
+    assert batcher._update(update_request(UPDATE, limits)) == (first, True)  # noqa: SLF001 - the snapshot's ledger
 
 
 def test_a_vision_critic_takes_its_images_as_json(tmp_path):
