@@ -297,12 +297,12 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
         except BaseException as err:  # noqa: BLE001 - reported as a launch reports it
             return fail(err, None)
         return 0
-    say(memory)
     if args.nproc is None and plan.processes > 1:
         why = plan.processes_note or ("the engine.parallel layout's tensor x pipeline x context x ulysses"
                                       + (" x replicate" if config.engine.parallel.replicate > 1 else "")
                                       + " (--nproc N for more data-parallel ranks)")
         print(f"starting {plan.processes} processes, {why}", flush=True)
+    say(memory)  # after the process count: the first line says how many processes start
     args.nproc = plan.processes  # what a spec's run starts (the Ray launcher's workers)
     if spec.run is not None:
         return spec.run(args, config)
