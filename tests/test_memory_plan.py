@@ -13,7 +13,8 @@ import pytest
 from critic_adapters.common.tests.helpers import run_pytest, skip_without_backend
 
 
-@pytest.mark.parametrize("backend,family", [("fsdp", "qwen2"), ("fsdp", "llama"), ("veomni", "qwen2")])
+@pytest.mark.parametrize("backend,family", [("fsdp", "qwen2"), ("fsdp", "llama"), ("veomni", "qwen2"),
+                                            ("megatron", "qwen2")])
 def test_planned_activations_are_within_15_percent_of_a_real_steps(tmp_path, backend, family):
     skip_without_backend(backend)
     out = tmp_path / "out.json"

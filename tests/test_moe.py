@@ -262,6 +262,8 @@ def test_a_dry_run_without_nproc_plans_the_processes_expert_parallelism_needs(tm
                                   "engine.parallel.expert=2", f"trainer.run_dir={tmp_path / 'run'}")
     assert dry.returncode == 0 and "processes: 2 (data parallel 2, experts over 2 ranks)" in dry.stdout, \
         dry.stdout[-2000:] + dry.stderr[-2000:]
+    # megatron's count (backends/megatron/memory.py) in the plan: the expert buffer's bytes included
+    assert "memory per rank: parameters " in dry.stdout and "activations not estimated" in dry.stdout, dry.stdout
 
 
 def test_expert_parallelism_is_refused_where_it_cannot_apply():

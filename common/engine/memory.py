@@ -18,10 +18,12 @@ the activations a step saves for its backward, estimated.
   activations: what one micro-batch at the token budget saves for its backward, counted over a forward on
                  the meta device (common.engine.saved_bytes; a fused attention's saved tensors), where
                  Megatron-LM's theoretical_memory_usage writes the same count as a formula per layer;
-                 with gradient checkpointing, what torch's non-reentrant checkpoint keeps.
+                 with gradient checkpointing, what torch's non-reentrant checkpoint keeps; a backend with
+                 modeling of its own corrects it (BackendSpec.activation_memory: megatron's).
 
-Exact for the FSDP2 backends (tests compare it with resident_bytes() at several layouts); megatron's
-buffers (its distributed optimizer's padded grad buffer and fp32 main weights) are not computed here yet.
+Each backend's parameter, gradient and optimizer count is its BackendSpec.state_memory: the FSDP2 one
+here, megatron's (DDP's padded buffers, the distributed optimizer's shards, fp32 main weights) in
+backends/megatron/memory.py. Exact: tests compare them with resident_bytes() at several layouts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import math
 import torch
 
 UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-FSDP2_BACKENDS = ("fsdp", "veomni")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,29 +182,51 @@ def activation_bytes(model: torch.nn.Module, tokens: int, *, checkpointing: bool
         model.train(was_training)
 
 
-def state_memory(backend: str, engine, critic_config, world_size: int, rank: int = 0) -> tuple[int, int, int] | None:
-    """(parameters, gradients, optimizer) bytes of `rank` of an engine of `backend` with EngineConfig
-    `engine` on `world_size` ranks, as its resident_bytes() reports them once a backward has run (None:
-    a backend not computed here)."""
-    if backend not in FSDP2_BACKENDS:
-        return None
+def fsdp2_state_memory(engine, critic_config, world_size: int, rank: int | None = 0) -> tuple[int, int, int]:
+    """BackendSpec.state_memory of the FSDP2 backends (fsdp, veomni): the first rank of a shard group
+    holds the most (rank None)."""
     shard = fsdp2_shard_degree(engine.parallel, world_size)
-    return fsdp2_state_bytes(meta_critic(engine, critic_config), engine.optim, shard, rank % shard)
+    return fsdp2_state_bytes(meta_critic(engine, critic_config), engine.optim, shard, (rank or 0) % shard)
+
+
+def state_memory(backend: str, engine, critic_config, world_size: int, rank: int | None = 0
+                 ) -> tuple[int, int, int] | None:
+    """(parameters, gradients, optimizer) bytes of `rank` (None: the rank holding the most) of an engine of
+    `backend` with EngineConfig `engine` on `world_size` ranks, as its resident_bytes() reports them once a
+    backward has run (None: a backend whose BackendSpec has no state_memory)."""
+    from .registry import BACKENDS, resolve
+
+    spec = BACKENDS.get(backend)
+    if spec is None or spec.state_memory is None:
+        return None
+    try:
+        count = resolve(spec.state_memory)
+    except ImportError:  # the backend is not part of this build (a Bazel target, a vendored subset)
+        return None
+    return count(engine, critic_config, world_size, rank)
 
 
 def rank_memory(config, critic_config, world_size: int) -> RankMemory | None:
-    """The largest rank's memory (the first rank's) for `config` (a TrainConfig) on `world_size` ranks;
-    None for a backend whose state is not computed here (megatron)."""
+    """The memory of the rank holding the most for `config` (a TrainConfig) on `world_size` ranks; None
+    for a backend whose state is not computed here."""
     engine = config.engine
-    state = state_memory(config.backend, engine, critic_config, world_size)
+    state = state_memory(config.backend, engine, critic_config, world_size, None)
     if state is None:
         return None
     compute = engine.model if engine.mixed_precision != "bf16" else dataclasses.replace(engine.model, dtype="bfloat16")
     model = meta_critic(dataclasses.replace(engine, model=compute), critic_config)  # bf16: FSDP2 computes in bf16
     tokens = math.ceil(engine.batching.micro_batch_tokens / (engine.parallel.context * engine.parallel.ulysses))
     checkpointing = bool(engine.gradient_checkpointing)
-    return RankMemory(*state, activation_bytes(model, tokens, checkpointing=checkpointing),
-                      activation_bytes(model, tokens, checkpointing=not checkpointing), checkpointing)
+    from .registry import BACKENDS, resolve
+
+    backend_count = BACKENDS[config.backend].activation_memory
+
+    def activations(with_checkpointing: bool) -> int | None:
+        if backend_count is None:
+            return activation_bytes(model, tokens, checkpointing=with_checkpointing)
+        return resolve(backend_count)(engine, model, tokens, with_checkpointing)
+
+    return RankMemory(*state, activations(checkpointing), activations(not checkpointing), checkpointing)
 
 
 def plan_memory_line(plan, device_memory: int | None) -> str:

@@ -82,6 +82,16 @@ class BackendSpec:
     installed distributions before anything is built (check_installed)."""
     install: str = ""
     """The command that installs what `requires` names, said when it is missing."""
+    state_memory: str | Callable | None = None
+    """"module:callable" (as factory) or the callable: state_memory(engine_config, critic_config,
+    world_size, rank) -> (parameters, gradients, optimizer) bytes of global `rank` as the engine's
+    resident_bytes() reports them after a step, from the config alone (rank None: the rank holding
+    the most). The job plan's `memory per rank:` line (common.engine.memory); None: not computed."""
+    activation_memory: str | Callable | None = None
+    """"module:callable" (as factory) or the callable: activation_memory(engine_config, model, tokens,
+    checkpointing) -> the bytes one rank's micro-batch of `tokens` tokens saves for its backward (None: not
+    estimated), `model` the HF critic on the meta device in the compute dtype; None: the HF critic's own
+    count (common.engine.memory.activation_bytes), right for backends that run transformers' modeling."""
 
     def __post_init__(self):
         unknown = sorted(set(self.parallel_dims) - set(PARALLEL_DIMS)) + sorted(set(self.knobs) - set(OPTIONAL_KNOBS))
@@ -104,6 +114,7 @@ BACKENDS: dict[str, BackendSpec] = {
                          "transforms", "lora.rank", "optim.name", "optim.state_dtype", "optim.offload_state"}),
         launcher=".backends.fsdp.train",
         check_layout=".common.parallel.ulysses:check_layout",
+        state_memory=".common.engine.memory:fsdp2_state_memory",
     ),
     "megatron": BackendSpec(
         factory=".backends.megatron.engine:MegatronCriticEngine",
@@ -122,6 +133,8 @@ BACKENDS: dict[str, BackendSpec] = {
         # The two processes of the default job split every layer (a data-parallel degree of 1).
         job_defaults=("engine.parallel.tensor=2", "trainer.run_dir=outputs/megatron-default"),
         check_layout=".backends.megatron.config:check_layout",
+        state_memory=".backends.megatron.memory:state_memory",
+        activation_memory=".backends.megatron.memory:activation_memory",
     ),
     "veomni": BackendSpec(
         factory=".backends.veomni.engine:VeOmniCriticEngine",
@@ -139,6 +152,7 @@ BACKENDS: dict[str, BackendSpec] = {
                       "backbone, whose eager experts loop has no token dispatch (IndexError on a rank's local "
                       "experts), and its one dispatching path, group_gemm_fused_moe_forward, needs triton on a GPU"),),
         check_layout=".backends.veomni.value_model:check_layout",
+        state_memory=".common.engine.memory:fsdp2_state_memory",
     ),
 }
 
