@@ -150,8 +150,9 @@ def activation_bytes(model: torch.nn.Module, tokens: int, *, checkpointing: bool
     """Bytes one micro-batch of `tokens` tokens keeps for the backward, counted (common.engine.saved_bytes)
     over a forward of one row of that length through `model` on the meta device with a fused attention's
     saved tensors: every layer's, or with gradient checkpointing the layers' inputs (what torch's
-    non-reentrant checkpoint keeps). None when the family's forward does not run on the meta device (a
-    vision-language critic computes its positions from the ids' values)."""
+    non-reentrant checkpoint keeps). None when the family's forward does not run on the meta device
+    (qwen3_moe's grouped expert matmul refuses it); only the meta device's refusals (RuntimeError,
+    NotImplementedError) mean that, any other error is a bug and propagates."""
     from transformers import AttentionInterface
 
     from .saved_bytes import SavedForBackward
@@ -172,7 +173,7 @@ def activation_bytes(model: torch.nn.Module, tokens: int, *, checkpointing: bool
         with SavedForBackward(model) as saved:
             model(input_ids=ids, position_ids=positions, use_cache=False)
         return saved.peak
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+    except (RuntimeError, NotImplementedError):
         return None
     finally:
         for key, config in configs.items():
@@ -248,7 +249,8 @@ def memory_line(memory: RankMemory | None, backend: str, device_memory: int | No
     if memory is None:
         return f"memory per rank: not computed for the {backend} backend yet"
     other = "without" if memory.checkpointing else "with"
-    activations = ("activations not estimated (the family's forward needs real ids)" if memory.activations is None
+    activations = ("activations not estimated (the family's forward does not run on the meta device)"
+                   if memory.activations is None
                    else f"activations {size(memory.activations)} ({size(memory.activations_other)} {other} gradient "
                         f"checkpointing)")
     line = (f"memory per rank: parameters {size(memory.parameters)}, gradients {size(memory.gradients)}, optimizer "
