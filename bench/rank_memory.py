@@ -13,6 +13,9 @@ reports, over the model's bytes:
               partition plus DDP's fp32 gradient buffer)
   transient   load peak minus kept
   export      the export's peak above what the rank held before it (files of at most 48 MiB)
+  save peak   a checkpoint save's peak above what the rank held before it (after one optimizer
+              step), over the rank's own optimizer state (tensor_bytes' count): megatron's
+              distributed optimizer writes what each rank owns (backends/megatron/optimizer_state.py)
   held by torch  the bytes of the rank's parameters, gradients and optimizer state after the build
               (bench/tensor_bytes.py state_bytes: tensor sizes, the same on any machine, where the
               resident figures above move with the allocator and the machine); on CUDA also the
@@ -21,7 +24,7 @@ reports, over the model's bytes:
 and the engine's values are checked against plain transformers. Before the measured build each
 rank builds one tiny critic of the same family (the backend's imports and process-wide buffers
 are not the model's). Printed last: `rank memory: <backend> <layout> load <max> transient
-<max> export <max> held by torch <max>` lines, the largest over ranks.
+<max> export <max> held by torch <max> save <max>` lines, the largest over ranks.
 
   python -m critic_adapters.bench.rank_memory --worker BACKEND LAYOUT MODEL_DIR WORKDIR
 is one layout's torchrun worker (tests/test_rank_memory.py runs it): each rank writes
@@ -43,7 +46,8 @@ if __package__ in (None, ""):  # run as a file: this checkout as the package cri
 
 import torch  # noqa: E402
 
-LAYOUTS = {2: [("fsdp", "data=2"), ("veomni", "data=2"), ("megatron", "tensor=2"), ("megatron", "pipeline=2")],
+LAYOUTS = {2: [("fsdp", "data=2"), ("veomni", "data=2"), ("megatron", "data=2"), ("megatron", "tensor=2"),
+               ("megatron", "pipeline=2")],
            4: [("fsdp", "data=4"), ("veomni", "data=4"), ("megatron", "tensor=2,pipeline=2"),
                ("megatron", "tensor=2"), ("megatron", "pipeline=4")]}
 
@@ -97,7 +101,10 @@ def ratios(record: dict, model_bytes: int) -> dict:
     return {"load_peak": (record["build_peak"] - record["base"]) / model_bytes,
             "kept": (record["after_build"] - record["base"]) / model_bytes,
             "transient": (record["build_peak"] - record["after_build"]) / model_bytes,
-            "export_peak": (record["export_peak"] - record["export_base"]) / model_bytes}
+            "export_peak": (record["export_peak"] - record["export_base"]) / model_bytes,
+            # the checkpoint save's peak above what the rank held before it, over the rank's own
+            # optimizer state (bench/tensor_bytes.py's count after a step)
+            "save_peak": (record["save_peak"] - record["save_base"]) / record["optimizer_bytes"]}
 
 
 def torch_ratios(record: dict, model_bytes: int) -> dict:
@@ -149,12 +156,21 @@ def measured_build(backend: str, config, dist, workdir: str):
     if dist.is_main:
         write_warmup_model(warmup, config.model.path)
     torch_dist.barrier()
-    build_engine(backend, dataclasses.replace(config, model=ModelConfig(path=warmup)), dist).close()
+    tiny = build_engine(backend, dataclasses.replace(config, model=ModelConfig(path=warmup)), dist)
+    one_update(tiny, *(t % 64 for t in probe_batch()))  # ids any tiny vocabulary has
+    tiny.save_checkpoint(os.path.join(workdir, "warmup-checkpoint"))  # the save's imports and DCP's set-up
+    tiny.close()
     torch_dist.barrier()
     with MemoryWindow() as build, DevicePeak() as device:
         engine = build_engine(backend, config, dist)
         torch_dist.barrier()
     return engine, build, device
+
+
+def one_update(engine, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """One optimizer step on these rows: the optimizer state exists, as at any save of a run."""
+    engine.forward_backward(ids, mask, lambda values: values.square().mean())
+    engine.step_optimizer()
 
 
 def worker(backend: str, layout: str, model_dir: str, workdir: str) -> None:
@@ -175,10 +191,17 @@ def worker(backend: str, layout: str, model_dir: str, workdir: str) -> None:
     with MemoryWindow() as export, DevicePeak() as export_device:
         engine.export_hf(os.path.join(workdir, "export"), max_shard_size=EXPORT_SHARD)
         torch_dist.barrier()
+    one_update(engine, ids, mask)
+    held_after_update = state_bytes(engine)
+    torch_dist.barrier()
+    with MemoryWindow() as save:
+        engine.save_checkpoint(os.path.join(workdir, "checkpoint"))
+        torch_dist.barrier()
     record = {"base": build.base, "build_peak": build.peak, "after_build": build.after,
               "export_base": export.base, "export_peak": export.peak, "report": str(engine.load_report),
               "held_after_build": held, "device_build_peak_added": build_device.added,
-              "device_export_peak_added": export_device.added}
+              "device_export_peak_added": export_device.added, "save_base": save.base, "save_peak": save.peak,
+              "optimizer_bytes": held_after_update["optimizer"]}
     if dist.is_main:
         record["values"] = values.tolist()
     with open(os.path.join(workdir, f"rank{dist.rank}.json"), "w") as f:
@@ -213,9 +236,9 @@ def main(argv=None) -> int:
         mask = probe_batch()[1].bool()
         print(f"critic: {model_bytes / 2**20:.0f} MiB fp32; ratios are of that")
         cuda = torch.cuda.is_available()
-        print("| backend | layout | ranks | load peak | kept | transient | export peak | held by torch |"
-              + (" device load peak | device export peak |" if cuda else ""))
-        print("|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else ""))
+        print("| backend | layout | ranks | load peak | kept | transient | export peak | held by torch "
+              "| save peak (x own optimizer state) |" + (" device load peak | device export peak |" if cuda else ""))
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else ""))
         for ranks in map(int, args.ranks.split(",")):
             for backend, layout in LAYOUTS[ranks]:
                 workdir = os.path.join(tmp, f"{backend}-{layout}-{ranks}")
@@ -225,7 +248,7 @@ def main(argv=None) -> int:
                 per_rank = [{**ratios(r, model_bytes), **torch_ratios(r, model_bytes)} for r in records]
                 rows.append({"backend": backend, "layout": layout, "ranks": ranks, "per_rank": per_rank,
                              "values_max_error": error})
-                keys = ("load_peak", "kept", "transient", "export_peak", "held")
+                keys = ("load_peak", "kept", "transient", "export_peak", "held", "save_peak")
                 cells = [" / ".join(f"{r[key]:.2f}" for r in per_rank)
                          for key in keys + (("device_build_peak", "device_export_peak") if cuda else ())]
                 print(f"| {backend} | {layout} | {ranks} | " + " | ".join(cells) + " |", flush=True)
@@ -237,7 +260,8 @@ def main(argv=None) -> int:
               f"{max(r['load_peak'] for r in row['per_rank']):.2f} transient "
               f"{max(r['transient'] for r in row['per_rank']):.2f} export "
               f"{max(r['export_peak'] for r in row['per_rank']):.2f} held by torch "
-              f"{max(r['held'] for r in row['per_rank']):.2f} values error {row['values_max_error']:.1e}")
+              f"{max(r['held'] for r in row['per_rank']):.2f} save {max(r['save_peak'] for r in row['per_rank']):.2f}"
+              f" values error {row['values_max_error']:.1e}")
     return 0
 
 

@@ -9,7 +9,7 @@ all-ranks-or-none commit and the fingerprint are common/storage/checkpoints.py's
 
 The two optimizers (engine.optim.distributed_optimizer) save different state under different keys
 (the distributed one its fp32 weights and Adam's moments per parameter, `optimizer.state.param.*`,
-and its own step bookkeeping), so a checkpoint resumes only with the optimizer that wrote it; the
+each rank the part it owns (optimizer_state.py), and its own step bookkeeping), so a checkpoint resumes only with the optimizer that wrote it; the
 other is refused by name before anything is read.
 """
 
@@ -20,7 +20,7 @@ import functools
 import torch
 from megatron.core import dist_checkpointing
 
-from . import compat
+from . import compat, optimizer_state
 from ...common.storage.checkpoints import (
     check_extra,
     check_optimizer_kind,
@@ -34,11 +34,8 @@ from ...common.storage.checkpoints import (
 )
 from ...common.parallel.distributed import group_rank, one_outcome
 
-# The distributed optimizer's checkpoint format: its state in model space (each parameter's fp32
-# weight and Adam moments with the parameter's shape), so a checkpoint reloads at any tensor,
-# pipeline or data-parallel layout. megatron-core 0.16.1's default, fully_sharded_model_space,
-# cannot be saved at all (its flattened ShardedTensors raise "flattened_range is not supported").
-# The plain optimizers ignore the metadata.
+# The plain optimizers' format (the distributed one's is optimizer_state.py's: each rank writes what
+# it owns, in model space). The plain optimizers ignore the metadata.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -76,8 +73,43 @@ def _sharded_state(ddp_model, optimizer, *, is_loading: bool) -> dict:
     if not all(p.requires_grad for p in params.values()):
         model_state = {key: value for key, value in model_state.items()
                        if key in params and params[key].requires_grad}
+    if _distributed(optimizer):
+        return {"model": model_state, "optimizer": optimizer_state.sharded_state(optimizer, model_state)}
     return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                                             metadata=_OPTIMIZER_FORMAT)}
+
+
+def _distributed(optimizer) -> bool:
+    from megatron.core.optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(part, DistributedOptimizer) for part in parts)
+
+
+def _streaming_strategy():
+    """megatron-core's torch_dist save, written tensor by tensor. Its own writer
+    (FileSystemWriterAsync) stages every tensor a rank writes in host memory before writing any:
+    on CPU it clones each view (every parameter is a view of DDP's buffer, every optimizer
+    rectangle a view of the optimizer's state), on CUDA it copies each to the host: the rank's whole
+    write set at once. torch's own FileSystemWriter with one thread takes one tensor at a time (a
+    1 MB window of device-to-host copies on CUDA). Same files, same metadata, same loader."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class StreamingSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp_save(mcore_to_pyt_state_dict(sharded, False),
+                     storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1),
+                     planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False))
+
+    return StreamingSave("torch_dist", 1)
 
 
 def _optimizer_name(distributed: bool) -> str:
@@ -105,8 +137,8 @@ def save_checkpoint(directory: str, engine, extra_state: dict, extra_tensors: di
     extra = gather_extra_tensors(extra_tensors, group=engine.parallel.world_group)  # every rank's, to the writer
     with staged_checkpoint(directory, is_main=main, group=engine.parallel.world_group,
                            timeout_s=engine.config.collective_timeout_s) as staging:
-        with compat.cuda_to_cpu(), compat.in_process_save_results():
-            dist_checkpointing.save(state, staging)
+        with compat.cuda_to_cpu():
+            dist_checkpointing.save(state, staging, sharded_strategy=_streaming_strategy())
         if main:
             save_trainer_state(staging, engine, extra_state, extra)
             write_meta(staging, engine.fingerprint, world_size=engine.dist.world_size, backend="megatron",
@@ -133,8 +165,11 @@ def load_checkpoint(directory: str, engine) -> dict:
             state = _sharded_state(engine.model, engine.optimizer, is_loading=True)
             loaded = dist_checkpointing.load(state, directory)
             engine.model.module.load_state_dict(loaded["model"], strict=False)
+            optimizer = loaded["optimizer"]
+            if _distributed(engine.optimizer):
+                optimizer = optimizer_state.loaded_state(engine.optimizer, optimizer)
             with compat.adam_step_kept():
-                engine.optimizer.load_state_dict(loaded["optimizer"])
+                engine.optimizer.load_state_dict(optimizer)
         extra = load_trainer_state(directory, engine, rank=group_rank(engine.parallel.world_group),
                                    world_size=engine.parallel.world_size)
     return extra

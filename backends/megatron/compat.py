@@ -6,10 +6,11 @@ engine using them closes), and `cuda_to_cpu()` is a context manager for the code
 that allocate with `device="cuda"` (optimizer construction and step, the pipeline schedules).
 Both do nothing when CUDA is available (on GPU this backend runs plain megatron-core), but for one
 name megatron's MoE router needs whenever TransformerEngine is absent (_without_te_shims).
-Three contexts around checkpointing apply on every device and sit at the end: in_process_save_results
-(no multiprocessing Manager for a synchronous save), adam_step_kept (a load fault with torch's
-Adam, which a GPU without TransformerEngine or Apex runs too) and library_deprecations_quiet (the
-load's FutureWarnings about torch APIs megatron-core itself calls).
+Two contexts around checkpointing apply on every device and sit at the end: adam_step_kept (a load
+fault with torch's Adam, which a GPU without TransformerEngine or Apex runs too) and
+library_deprecations_quiet (the load's FutureWarnings about torch APIs megatron-core itself calls).
+(Saves no longer go through megatron's own writer, whose results queue started a multiprocessing
+Manager: checkpoint._streaming_strategy.)
 
 The shims, and why each exists (in megatron-core 0.16.1):
   1. RNG tracker: `model_parallel_cuda_manual_seed` uses torch.cuda RNG states, and every attention
@@ -314,28 +315,6 @@ class _CudaToCpu(TorchFunctionMode):
 def cuda_to_cpu():
     """Context in which megatron's `device="cuda"` allocations land on cpu (nothing with CUDA)."""
     return _CudaToCpu() if cpu_mode() else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def in_process_save_results():
-    """Around a synchronous `dist_checkpointing.save`: the write results travel through an
-    in-process queue instead of megatron's multiprocessing Manager queue.
-
-    megatron-core 0.16.1 (filesystem_async._get_write_results_queue) starts a spawned Manager
-    server the first time a rank saves, for async saves whose writer runs in another process. A
-    synchronous save puts and gets those results in the calling process, so the Manager only costs:
-    ~3.5 s to boot on the first save and as long again at interpreter exit, per rank (measured,
-    2 CPU cores). The GPU path is the same code, so this applies on every device."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous
 
 
 @contextlib.contextmanager

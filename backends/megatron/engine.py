@@ -178,15 +178,19 @@ class MegatronCriticEngine(Offloadable):
             lora_state = megatron_lora.hf_to_megatron(hf_state, config.lora, self.layout)
             names += list(lora_state)
             tensors = itertools.chain(tensors, lora_state.items())
-        convert.load_into(model, tensors, names)  # tensor by tensor
-        del self._sliced
-        if self.transforms:
+        if self.transforms:  # before DDP: requires_grad decides which parameters its buffers take
             convert.follow_frozen(model, critic, self.traits, self.layout)
+        # The trainable parameters become shapes without memory, so that DDP's contiguous buffer
+        # (distributed optimizer) is this stage's only copy of them: the weights are read into it below.
+        parallelize.release_trainable(model, dist.device)
         model.to(dist.device)
         if self.traits.moe is not None:
             parallelize.mark_expert_parameters(model)
         self.model = parallelize.wrap_ddp(model, self.tf_config,
                                           distributed_optimizer=config.optim.distributed_optimizer)
+        parallelize.give_storage(model)  # those DDP left outside a buffer (the plain optimizer)
+        convert.load_into(model, tensors, names)  # tensor by tensor; before the optimizer copies them
+        del self._sliced
         bf16 = self.tf_config.bf16
         self.optimizer = parallelize.build_optimizer(self.model, config.optim, bf16)
         self.scheduler = parallelize.LRSchedule(self.optimizer, config.optim)
