@@ -220,6 +220,8 @@ def _read_shard(entry: Entry, read: Callable, rows_of: Callable[[str], int], s: 
         per_rank = s.padded_vocab // tp_size
         start, stop = tp_rank * per_rank, min((tp_rank + 1) * per_rank, s.vocab)
         part = read(hf_names[0], (start, max(start, stop)))
+        if part.shape[0] == per_rank:  # no padding on this rank: no second copy of its rows
+            return part
         padded = part.new_zeros(per_rank, *part.shape[1:])
         padded[: part.shape[0]] = part
         return padded

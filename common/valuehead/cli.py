@@ -259,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(info, indent=2)) if args.json else _print_inspection(info)
         elif args.command == "convert":
             from ..storage.atomic_dir import is_nonempty_dir
-            from .save import save_critic
 
             if is_nonempty_dir(args.dst) or (os.path.exists(args.dst) and not os.path.isdir(args.dst)):
                 raise CriticLoadError(f"{args.dst} already exists and is not empty; convert writes a new directory")

@@ -34,7 +34,7 @@ from .checkpoint_files import tensor_bytes
 from .config import DECLARED_HEAD, build_critic, critic_class, critic_head
 from .errors import CriticLoadError
 from .experts import describe_experts
-from .load import LoadReport, _allowed_missing, check_head_change, head_tensors, plan_load
+from .load import LoadReport, _allowed_missing, check_head_change, count_nonfinite, head_tensors, plan_load
 from ..learning.hl_gauss import describe, support_of
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -136,7 +136,7 @@ class SlicedCritic:
                 tensor = read_rows(stored, start, stop) if stored.shape else read_rows(stored, 0, 1).reshape(())
         tensor = tensor.to(self.dtypes.get(name, self.dtype)) if tensor.is_floating_point() else tensor
         if name in self._checked:
-            bad = int((~torch.isfinite(tensor)).sum())
+            bad = count_nonfinite(tensor)
             if bad:
                 raise CriticLoadError(f"{self.report.path}: tensor {name} holds {bad} NaN/inf value(s); the checkpoint "
                                       f"is corrupt (or diverged in training): use an earlier or re-exported one")
