@@ -87,14 +87,15 @@ class CriticOptimizer(torch.optim.Optimizer):
             if group["kind"] == "muon":
                 self._muon_group(stepped, group)
             else:
+                scratch = {}  # (device, dtype) -> two reused piece-sized buffers for this step
                 for p in stepped:
-                    self._adamw(p, group)
+                    self._adamw(p, group, scratch)
 
     def _zeros(self, p: torch.Tensor) -> torch.Tensor:
         # A DTensor like the parameter (same mesh and placements): DCP saves it as one global tensor.
         return torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
 
-    def _adamw(self, p: torch.Tensor, group: dict) -> None:
+    def _adamw(self, p: torch.Tensor, group: dict, scratch: dict) -> None:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -103,19 +104,33 @@ class CriticOptimizer(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         param, grad = _local(p), _local(p.grad)
         exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        # On CPU a piece of each tensor at a time: the fp32 temporaries stay in cache (measured: a
-        # third of the step's time against whole tensors). On CUDA whole tensors: fewer launches.
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                     amsgrad=False, maximize=False)
+        if exp_avg.dtype == param.dtype:  # the state in the parameters' dtype: the kernel on it directly
+            torch._fused_adamw_([param], [grad.to(param.dtype)], [exp_avg], [exp_avg_sq], [], [state["step"]], **hyper)
+            return
+        # On CPU a piece of each tensor at a time, its moments upcast into two buffers reused for every
+        # piece of the step: the fp32 temporaries stay in cache and nothing is allocated per piece
+        # (measured: a fresh pair of temporaries per piece made the step 1.8-1.9x fp32 AdamW's; reused,
+        # fewer bytes move than fp32 AdamW's). On CUDA whole tensors: fewer launches.
         flat = param.device.type == "cpu" and all(t.is_contiguous() for t in (param, grad, exp_avg, exp_avg_sq))
         pieces = range(0, param.numel(), ADAMW_PIECE) if flat else (None,)
+        if flat:
+            key, need = (param.device, param.dtype), min(ADAMW_PIECE, param.numel())
+            if key not in scratch or scratch[key][0].numel() < need:
+                scratch[key] = [torch.empty(need, dtype=param.dtype, device=param.device) for _ in range(2)]
+            m_buffer, v_buffer = scratch[key]
         for start in pieces:
-            # The moments upcast to fp32, torch's fused AdamW kernel on them (one pass: the arithmetic
-            # of the fp32 step), the moments rounded back to bf16.
+            # The moments upcast, torch's fused AdamW kernel on them (one pass: the arithmetic of the
+            # fp32 step), the moments rounded back.
             where = slice(start, start + ADAMW_PIECE)
             piece = (lambda t: t.view(-1)[where]) if flat else (lambda t: t)
             m_low, v_low = piece(exp_avg), piece(exp_avg_sq)
-            w, g, m, v = piece(param), piece(grad).to(param.dtype), m_low.to(param.dtype), v_low.to(param.dtype)
-            torch._fused_adamw_([w], [g], [m], [v], [], [state["step"]], lr=group["lr"], beta1=beta1, beta2=beta2,
-                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+            if flat:
+                m, v = m_buffer[:m_low.numel()].copy_(m_low), v_buffer[:v_low.numel()].copy_(v_low)
+            else:
+                m, v = m_low.to(param.dtype), v_low.to(param.dtype)
+            torch._fused_adamw_([piece(param)], [piece(grad).to(param.dtype)], [m], [v], [], [state["step"]], **hyper)
             m_low.copy_(m)
             v_low.copy_(v)
 
