@@ -53,9 +53,11 @@ GROUPS = {
     "fsdp-job": Group(("backends/fsdp/tests/test_training_job.py",)),
     # values against the HF critic at TP / PP / SP / DP, and parallel_state from our mesh equal to megatron-core's
     # own initialize_model_parallel (every group global this megatron-core has)
-    # and training: megatron's distributed optimizer and bf16 steps against the replicated fp32 one
+    # and training: megatron's distributed optimizer and bf16 steps against the replicated fp32 one;
+    # its checkpoint's rectangles against this megatron-core's own shard placement, read back exactly
     "megatron": Group(("backends/megatron/tests/test_values_parity.py", "tests/test_sub_world.py",
-                       "backends/megatron/tests/test_optimizer_and_precision.py")),
+                       "backends/megatron/tests/test_optimizer_and_precision.py",
+                       "backends/megatron/tests/test_optimizer_state.py")),
     "veomni": Group(("backends/veomni/tests/test_values_parity.py",)),
     "ray": Group(("integrations/ray/tests/test_group.py",)),
     # the verl slot against verl installed in the environment itself (no overlay over it)
