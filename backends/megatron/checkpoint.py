@@ -9,8 +9,8 @@ all-ranks-or-none commit and the fingerprint are common/storage/checkpoints.py's
 
 The two optimizers (engine.optim.distributed_optimizer) save different state under different keys
 (the distributed one its fp32 weights and Adam's moments per parameter, `optimizer.state.param.*`,
-each rank the part it owns (optimizer_state.py), and its own step bookkeeping), so a checkpoint resumes only with the optimizer that wrote it; the
-other is refused by name before anything is read.
+each rank the part it owns (optimizer_state.py), and its own step bookkeeping), so a checkpoint
+resumes only with the optimizer that wrote it; the other is refused by name before anything is read.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import functools
 import torch
 from megatron.core import dist_checkpointing
 
-from . import compat, optimizer_state
+from . import compat, optimizer_state, parallelize
 from ...common.storage.checkpoints import (
     check_extra,
     check_optimizer_kind,
@@ -49,7 +49,7 @@ def _give_state(optimizer) -> None:
     zero gradient are zero)."""
     from megatron.core.optimizer import DistributedOptimizer
 
-    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for part in parallelize.optimizer_parts(optimizer):
         if not isinstance(part, DistributedOptimizer) or part.optimizer.state:
             continue
         params = [p for group in part.optimizer.param_groups for p in group["params"]]
@@ -73,17 +73,10 @@ def _sharded_state(ddp_model, optimizer, *, is_loading: bool) -> dict:
     if not all(p.requires_grad for p in params.values()):
         model_state = {key: value for key, value in model_state.items()
                        if key in params and params[key].requires_grad}
-    if _distributed(optimizer):
+    if optimizer_state.is_distributed(optimizer):
         return {"model": model_state, "optimizer": optimizer_state.sharded_state(optimizer, model_state)}
     return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                                             metadata=_OPTIMIZER_FORMAT)}
-
-
-def _distributed(optimizer) -> bool:
-    from megatron.core.optimizer import DistributedOptimizer
-
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return any(isinstance(part, DistributedOptimizer) for part in parts)
 
 
 def _streaming_strategy():
@@ -166,7 +159,7 @@ def load_checkpoint(directory: str, engine) -> dict:
             loaded = dist_checkpointing.load(state, directory)
             engine.model.module.load_state_dict(loaded["model"], strict=False)
             optimizer = loaded["optimizer"]
-            if _distributed(engine.optimizer):
+            if optimizer_state.is_distributed(engine.optimizer):
                 optimizer = optimizer_state.loaded_state(engine.optimizer, optimizer)
             with compat.adam_step_kept():
                 engine.optimizer.load_state_dict(optimizer)

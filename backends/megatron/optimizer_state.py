@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding, extract_sharded_tensors_and_factories
 from megatron.core.optimizer import DistributedOptimizer
+
+from .parallelize import optimizer_parts
 
 # The name megatron's model-space loader dispatches on; our save writes its per-parameter layout.
 SHARDING_TYPE = "fully_sharded_model_space"
@@ -71,13 +73,9 @@ class RowBlock:
 
 def row_blocks(sharded) -> list[RowBlock]:
     """Where each row of a parameter's local tensor sits in the checkpoint's global tensors."""
-    if isinstance(sharded, ShardedTensor):
-        if sharded.flattened_range is not None:
-            raise NotImplementedError(f"{sharded.key}: a flattened model tensor has no rows to place")
+    if isinstance(sharded, ShardedTensor):  # (megatron-core refuses flattened ones at construction)
         rows = sharded.local_shape[0] if sharded.local_shape else 1
         return [RowBlock(0, rows, sharded)]
-    if not isinstance(sharded, ShardedTensorFactory):
-        raise NotImplementedError(f"{sharded.key}: {type(sharded).__name__} is not a tensor megatron's optimizer steps")
     # Build the factory's tensors over a meta tensor of the local shape: each is a view, whose
     # storage offset says which rows it took.
     local = torch.empty(sharded.data.shape, dtype=sharded.data.dtype, device="meta")
@@ -151,12 +149,16 @@ def _owned_state(part: DistributedOptimizer, by_param: dict) -> dict:
     return state
 
 
+def is_distributed(optimizer) -> bool:
+    """Whether this module lays out the optimizer's checkpoint state (megatron's DistributedOptimizer,
+    alone or the parts of a ChainedOptimizer)."""
+    return all(isinstance(part, DistributedOptimizer) for part in optimizer_parts(optimizer))
+
+
 def sharded_state(optimizer, model_state: dict) -> dict:
     """The distributed optimizer's state for dist_checkpointing (save and load alike): per part, its
     common state (param groups, step) and the rectangles this rank owns. Views, no copies."""
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if not all(isinstance(part, DistributedOptimizer) for part in parts):
-        raise TypeError("optimizer_state.sharded_state is for megatron's DistributedOptimizer")
+    parts = optimizer_parts(optimizer)
     if len(parts) > 1:
         optimizer._synchronize_steps()
     tensors, _ = extract_sharded_tensors_and_factories(model_state)
@@ -175,7 +177,7 @@ def sharded_state(optimizer, model_state: dict) -> dict:
 def loaded_state(optimizer, loaded: dict) -> dict:
     """dist_checkpointing's result for sharded_state's dict -> what optimizer.load_state_dict takes:
     each parameter's rectangles joined back into its 1-D range."""
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    parts = optimizer_parts(optimizer)
     states = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
     for state in states:
         state["param_state"] = {index: {name: torch.cat([t.reshape(-1) for t in pieces])

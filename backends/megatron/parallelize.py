@@ -310,6 +310,11 @@ class LRSchedule:
         self._apply()
 
 
+def optimizer_parts(optimizer) -> list:
+    """A megatron optimizer's parts: a ChainedOptimizer's (dense and expert), else the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """Every tensor a megatron optimizer holds: Adam's state and the parameters it steps (for a
     mixed-precision optimizer its fp32 main copies; with fp32 they are the model's own, which

@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from critic_adapters.backends.megatron import checkpoint
+from critic_adapters.backends.megatron.parallelize import optimizer_parts
 from critic_adapters.common.engine import build_engine
 from critic_adapters.common.engine.config import EngineConfig, ModelConfig, OptimConfig
 from critic_adapters.common.parallel.distributed import init_distributed, shutdown
@@ -28,9 +29,8 @@ def fully_reshardable_state(ddp_model, optimizer, *, is_loading):
 
 def optimizer_tensors(engine) -> dict:
     """parameter name -> {fp32 main weight, exp_avg, exp_avg_sq} of this rank's range."""
-    parts = getattr(engine.optimizer, "chained_optimizers", None) or [engine.optimizer]
     out = {}
-    for part in parts:
+    for part in optimizer_parts(engine.optimizer):
         for name, param in engine.model.module.named_parameters():
             if param in part.model_param_group_index_map:
                 tensors = part._get_main_param_and_optimizer_states(param)
