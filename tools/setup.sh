@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup of everything critic-adapters needs on a fresh Debian machine:
-#   1. system packages: Debian's offline Bazel (bazel-bootstrap + bazel-rules-java), python3-venv;
+#   1. system packages: Debian's offline Bazel (bazel-bootstrap + bazel-rules-java), python3-venv,
+#      a C compiler (gcc, libc6-dev: the bf16-moment AdamW kernel);
 #   2. .venv/ with torch (first, so nothing pulls a CUDA build), the pinned packages (ray for the
 #      Ray integration among them), and this checkout itself as the package `critic_adapters`
 #      (editable: pip install -e .);
@@ -24,6 +25,9 @@ missing=()
 command -v bazel >/dev/null 2>&1 || missing+=(bazel-bootstrap)
 [ -f /usr/share/bazel/rules/java/java/defs.bzl ] || missing+=(bazel-rules-java)
 "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+# a C compiler and libc headers: common/engine/adamw_bf16.c (the bf16-moment AdamW kernel) builds on first use
+command -v cc >/dev/null 2>&1 || missing+=(gcc)
+[ -f /usr/include/pthread.h ] || missing+=(libc6-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing Debian packages: ${missing[*]}"
   sudo=""

@@ -2,9 +2,11 @@
 
   adamw, float32    torch's fused AdamW (what the engines always built)
   adamw, bfloat16   AdamW with its two moments stored in bf16 (half the state: 4 bytes a
-                    parameter instead of 8): the moments upcast, torch's fused fp32 AdamW kernel,
-                    the moments rounded back (the fp32 step's numbers, the moments within one bf16
-                    rounding)
+                    parameter instead of 8): each step the fp32 step's arithmetic on the moments
+                    widened, the moments rounded back. On CPU one pass (adamw_bf16.c, compiled
+                    on first use; the same numbers, bit for bit, as the three-pass form it
+                    replaces); on CUDA, or without a C compiler, three passes: the moments
+                    upcast, torch's fused fp32 AdamW kernel, the moments rounded back
   muon, *           torch's Muon (momentum, Newton-Schulz orthogonalisation, lr matched to
                     AdamW's RMS: adjust_lr_fn="match_rms_adamw") on the backbone's 2-D hidden
                     matrices; AdamW (in state_dtype) on the rest: embeddings, norms, biases and
@@ -26,12 +28,12 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import _muon
 
+from . import adamw_bf16
 from .config import OptimConfig
 from .transforms import trainable_parameters
 
 HEAD_NAMES = ("score", "v_head", "value_head", "lm_head")  # a critic's head, by its module name
 MUON_MOMENTUM, MUON_ADJUST_LR = 0.95, "match_rms_adamw"
-ADAMW_PIECE = 1 << 18  # elements per piece of the bf16-state AdamW step (1 MiB of fp32 per temporary)
 
 
 def muon_parameters(model: torch.nn.Module) -> list[str]:
@@ -75,6 +77,12 @@ class CriticOptimizer(torch.optim.Optimizer):
                     "kind": "adamw"}
         self.state_dtype = state_dtype
         super().__init__(params, defaults)
+        on_cpu = any(_local(p).device.type == "cpu" for g in self.param_groups for p in g["params"])
+        # bf16 moments on CPU: the one-pass kernel where it builds (its `why` says why not).
+        if state_dtype == torch.bfloat16 and on_cpu:
+            self.adamw_kernel = adamw_bf16.kernel()
+        else:
+            self.adamw_kernel = adamw_bf16.Kernel(None, f"{state_dtype} state" if on_cpu else "parameters not on CPU")
         for group in self.param_groups:
             if group["kind"] == "muon" and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("Muon steps 2-D matrices only")
@@ -87,52 +95,33 @@ class CriticOptimizer(torch.optim.Optimizer):
             if group["kind"] == "muon":
                 self._muon_group(stepped, group)
             else:
-                scratch = {}  # (device, dtype) -> two reused piece-sized buffers for this step
-                for p in stepped:
-                    self._adamw(p, group, scratch)
+                self._adamw_group(stepped, group)
 
     def _zeros(self, p: torch.Tensor) -> torch.Tensor:
         # A DTensor like the parameter (same mesh and placements): DCP saves it as one global tensor.
         return torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
 
-    def _adamw(self, p: torch.Tensor, group: dict, scratch: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"], state["exp_avg_sq"] = self._zeros(p), self._zeros(p)
-        state["step"] += 1  # the fused kernel reads the step, as torch's AdamW increments it first
+    def _adamw_group(self, params: list[torch.Tensor], group: dict) -> None:
         beta1, beta2 = group["betas"]
-        param, grad = _local(p), _local(p.grad)
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                     amsgrad=False, maximize=False)
-        if exp_avg.dtype == param.dtype:  # the state in the parameters' dtype: the kernel on it directly
-            torch._fused_adamw_([param], [grad.to(param.dtype)], [exp_avg], [exp_avg_sq], [], [state["step"]], **hyper)
-            return
-        # On CPU a piece of each tensor at a time, its moments upcast into two buffers reused for every
-        # piece of the step: the fp32 temporaries stay in cache and nothing is allocated per piece
-        # (bench/optimizers.py, 0.5B critic at 2 ranks: 1.56x fp32 AdamW's step; a fresh pair of
-        # temporaries per piece was 1.9x). On CUDA whole tensors: fewer launches.
-        flat = param.device.type == "cpu" and all(t.is_contiguous() for t in (param, grad, exp_avg, exp_avg_sq))
-        pieces = range(0, param.numel(), ADAMW_PIECE) if flat else (None,)
-        if flat:
-            key, need = (param.device, param.dtype), min(ADAMW_PIECE, param.numel())
-            if key not in scratch or scratch[key][0].numel() < need:
-                scratch[key] = [torch.empty(need, dtype=param.dtype, device=param.device) for _ in range(2)]
-            m_buffer, v_buffer = scratch[key]
-        for start in pieces:
-            # The moments upcast, torch's fused AdamW kernel on them (one pass: the arithmetic of the
-            # fp32 step), the moments rounded back.
-            where = slice(start, start + ADAMW_PIECE)
-            piece = (lambda t: t.view(-1)[where]) if flat else (lambda t: t)
-            m_low, v_low = piece(exp_avg), piece(exp_avg_sq)
-            if flat:
-                m, v = m_buffer[:m_low.numel()].copy_(m_low), v_buffer[:v_low.numel()].copy_(v_low)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+        batch, scratch = [], {}  # the kernel's tensors; (device, dtype) -> the three-pass step's two buffers
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"], state["exp_avg_sq"] = self._zeros(p), self._zeros(p)
+            state["step"] += 1  # the kernels read the step, as torch's AdamW increments it first
+            tensors = param, grad, exp_avg, exp_avg_sq = (_local(p), _local(p.grad), _local(state["exp_avg"]),
+                                                          _local(state["exp_avg_sq"]))
+            if exp_avg.dtype == param.dtype:  # the state in the parameters' dtype: torch's kernel on it directly
+                torch._fused_adamw_([param], [grad.to(param.dtype)], [exp_avg], [exp_avg_sq], [], [state["step"]],
+                                    amsgrad=False, maximize=False, **hyper)
+            elif self.adamw_kernel.step and adamw_bf16.applies(*tensors):
+                batch.append((*tensors, state["step"].item()))
             else:
-                m, v = m_low.to(param.dtype), v_low.to(param.dtype)
-            torch._fused_adamw_([piece(param)], [piece(grad).to(param.dtype)], [m], [v], [], [state["step"]], **hyper)
-            m_low.copy_(m)
-            v_low.copy_(v)
+                adamw_bf16.three_pass_step(*tensors, state["step"], hyper, scratch)
+        if batch:  # every tensor of the group in one call: one pass over memory (adamw_bf16.c)
+            self.adamw_kernel.step(*map(list, zip(*batch)), **hyper)
 
     def _muon_group(self, params: list[torch.Tensor], group: dict) -> None:
         updates = [self._muon_update(p, group) for p in params]
@@ -263,4 +252,6 @@ def optimizer_line(optim: OptimConfig, optimizer=None) -> str:
     else:
         what = "adamw"
     where = "; in host memory between steps (engine.optim.offload_state)" if optim.offload_state else ""
-    return f"optimizer: {what}; {optim.state_dtype} state{where}"
+    kernel = getattr(optimizer, "adamw_kernel", None)
+    how = f"; adamw's bf16 step: {kernel}" if optim.state_dtype == "bfloat16" and kernel is not None else ""
+    return f"optimizer: {what}; {optim.state_dtype} state{where}{how}"
