@@ -151,6 +151,9 @@ def worker(backend: str, model_dir: str, workdir: str, tokens: int, repeats: int
             results[name].update(update_s=elapsed, update_tokens=rows * length)
         if config.optim.name == "muon":
             results[name]["orthogonalise"] = orthogonalise_times(engine, repeats)
+        kernel = getattr(getattr(engine, "optimizer", None), "adamw_kernel", None)
+        if config.optim.state_dtype == "bfloat16" and kernel is not None:  # which bf16 step was timed
+            results[name]["bf16_step"] = str(kernel)
         engine.close()
     if dist.is_main:
         with open(os.path.join(workdir, "results.json"), "w") as f:
@@ -183,6 +186,8 @@ def table(results: dict) -> list[str]:
                      f"{r['optimizer_resident_between'] / n:.2f} | {r['step_s']:.3f} | {r['step_s'] / plain:.2f}x | "
                      f"{fraction} |")
     for name, r in results.items():
+        if "bf16_step" in r:
+            lines.append(f"{name}: adamw's bf16 step: {r['bf16_step']}")
         if "orthogonalise" in r:
             o = r["orthogonalise"]
             lines.append(f"{name}: Newton-Schulz of {o['matrices']} matrices, the slowest rank's share "

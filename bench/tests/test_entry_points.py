@@ -112,6 +112,9 @@ def test_the_optimizer_benchmark_counts_each_options_state(tmp_path):
     shares = muon["orthogonalise"]
     assert shares["matrices"] == 14 and 0 < shares["own_share_s"] and 0 < shares["every_matrix_s"], shares
     assert "muon: Newton-Schulz of 14 matrices, the slowest rank's share" in result.stdout, result.stdout
+    # which bf16 step was timed: the one-pass kernel here (setup installs a C compiler)
+    assert bf16["bf16_step"].startswith("one-pass C kernel") and "bf16_step" not in adamw, bf16
+    assert "adamw_bf16: adamw's bf16 step: one-pass C kernel" in result.stdout, result.stdout
 
 
 def test_the_scale_benchmark_measures_each_run(tmp_path):
