@@ -51,33 +51,21 @@ static inline uint16_t round_to_bf16(float value) {
   return (uint16_t)((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16);
 }
 
-/* The two loops differ only in the lerp's form: a branch-free body vectorises. */
 static void step_range(const Tensors *t, int64_t begin, int64_t end) {
   const Hyper h = t->hyper;
+  /* torch's two lerp forms, as one: fma(coefficient, g - m, base), base the moment or the gradient */
+  const float coefficient = h.small_weight ? h.weight : h.weight - 1.0f;
   float *restrict param = t->param;
   const float *restrict grad = t->grad;
   uint16_t *restrict exp_avg = t->exp_avg, *restrict exp_avg_sq = t->exp_avg_sq;
-  if (h.small_weight) {
-    for (int64_t i = begin; i < end; i++) {
-      float p = param[i] * h.decay, g = grad[i];
-      float m = widen(exp_avg[i]), v = widen(exp_avg_sq[i]);
-      m = fmaf(h.weight, g - m, m);
-      v = fmaf(h.grad_sq_coefficient * g, g, v * h.beta2);
-      exp_avg[i] = round_to_bf16(m);
-      exp_avg_sq[i] = round_to_bf16(v);
-      param[i] = p + (h.neg_step_size * m) / (sqrtf(v) / h.bias_correction2_sqrt + h.eps);
-    }
-  } else {
-    const float weight_minus_one = h.weight - 1.0f;
-    for (int64_t i = begin; i < end; i++) {
-      float p = param[i] * h.decay, g = grad[i];
-      float m = widen(exp_avg[i]), v = widen(exp_avg_sq[i]);
-      m = fmaf(weight_minus_one, g - m, g);
-      v = fmaf(h.grad_sq_coefficient * g, g, v * h.beta2);
-      exp_avg[i] = round_to_bf16(m);
-      exp_avg_sq[i] = round_to_bf16(v);
-      param[i] = p + (h.neg_step_size * m) / (sqrtf(v) / h.bias_correction2_sqrt + h.eps);
-    }
+  for (int64_t i = begin; i < end; i++) {
+    float p = param[i] * h.decay, g = grad[i];
+    float m = widen(exp_avg[i]), v = widen(exp_avg_sq[i]);
+    m = fmaf(coefficient, g - m, h.small_weight ? m : g);
+    v = fmaf(h.grad_sq_coefficient * g, g, v * h.beta2);
+    exp_avg[i] = round_to_bf16(m);
+    exp_avg_sq[i] = round_to_bf16(v);
+    param[i] = p + (h.neg_step_size * m) / (sqrtf(v) / h.bias_correction2_sqrt + h.eps);
   }
 }
 
@@ -127,20 +115,14 @@ int critic_adamw_bf16_step(int count, float **params, const float **grads, uint1
     Share s = {tensors, count, begin, end};
     shares[t] = s;
   }
-  int started = 0, failed = 0;
+  int started[64] = {0};
   for (int t = 1; t < threads; t++) {
-    if (pthread_create(&ids[t], NULL, step_share, &shares[t]) != 0) {
-      failed = 1;
-      break;
-    }
-    started = t;
+    started[t] = pthread_create(&ids[t], NULL, step_share, &shares[t]) == 0;
+    if (!started[t]) step_share(&shares[t]); /* no thread to be had: this one does the share */
   }
-  if (!failed) step_share(&shares[0]);
-  for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
-  if (failed) { /* some shares ran, some did not: run the ones that did not on this thread */
-    for (int t = started + 1; t < threads; t++) step_share(&shares[t]);
-    step_share(&shares[0]);
-  }
+  step_share(&shares[0]);
+  for (int t = 1; t < threads; t++)
+    if (started[t]) pthread_join(ids[t], NULL);
   free(tensors);
   return 0;
 }
