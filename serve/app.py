@@ -1,5 +1,6 @@
 """The HTTP door: FastAPI routes over the engine thread (serve/batcher.py). It owns only what a door
-owns: auth, the body's size and schema, backpressure, and turning each outcome into a status.
+owns: auth, bodies (read and parsed off the event loop: serve/bodies.py), backpressure, and turning
+each outcome into a status.
 
   POST /v1/values   {input_ids, attention_mask[, multi_modal_inputs]} -> {values, version}
   POST /v1/update   {request_id, input_ids, attention_mask, response_mask, old_values, returns[,
@@ -9,10 +10,12 @@ owns: auth, the body's size and schema, backpressure, and turning each outcome i
   GET  /metrics     Prometheus text
   admin: POST /v1/save {path?} | /v1/load {path} | /v1/offload | /v1/onload
 
-Statuses: 400 not JSON; 401 no or wrong token; 403 the user token on an admin route; 404/405 no such
-route; 409 a request_id reused for a different update; 413 a body or request too large; 422 a field
-that breaks its rule (the body names the field and the rule); 429 the queue is full (Retry-After);
-503 offloaded or shutting down; 500 the engine failed (its message; the weights as they were).
+Statuses: 400 not JSON (or nested too deep); 401 no or wrong token; 403 the user token on an admin
+route; 404 no such route, 405 not its method; 409 a request_id reused for a different update, or a save
+over a directory the service did not write; 413 a body or request too large; 422 a field that breaks
+its rule; 429 the queue is full (Retry-After); 503 offloaded, shutting down, or failed (a rank gone:
+the service stops); 507 the disk is full; 500 the engine failed (the rank's message), or a bug of ours.
+Every 4xx / 5xx body is {"error": {"status", "message"[, "field", "rule"]}}.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
 
 from . import schema
-from .batcher import Batcher, QueueFull, Stopped
+from .batcher import Batcher, Kind, Offloaded, QueueFull, Stopped
+from .bodies import Bodies, Busy, ParserGone
 from .ledger import Conflict
+from .updates import ServiceBroken
 
 ROUTES = ("/v1/values", "/v1/update", "/v1/version", "/v1/health", "/metrics", "/v1/save", "/v1/load",
           "/v1/offload", "/v1/onload")
@@ -34,16 +40,36 @@ RETRY_AFTER_S = 1
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None, field: str | None = None):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.headers, self.field = status, message, headers or {}, field
+        self.status, self.message, self.headers = status, message, headers or {}
 
 
-def _json_error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, message: str, *, field: str | None = None, rule: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    """Every refusal and failure, in one shape."""
     error = {"status": status, "message": message}
     if field is not None:
-        error["field"] = field
+        error.update(field=field, rule=rule)
     return JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
+def _status_of(err: Exception) -> _Refused:
+    """The answer to an error the engine thread or the parser raised."""
+    from ..common.storage.checkpoints import caused_by_full_disk
+
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(err, QueueFull | Busy):
+        return _Refused(429, f"{err}; retry after {RETRY_AFTER_S} s", retry)
+    if isinstance(err, Offloaded | ParserGone):
+        return _Refused(503, str(err), retry)
+    if isinstance(err, Stopped | ServiceBroken):
+        return _Refused(503, str(err))
+    if isinstance(err, OSError) and caused_by_full_disk(err):
+        return _Refused(507, f"the disk is full: {err}")
+    if isinstance(err, ValueError):  # the engine's own refusal of the input: it checks before touching the weights
+        return _Refused(422, str(err))
+    return _Refused(500, f"the engine failed: {type(err).__name__}: {err}")
 
 
 class _Counted:
@@ -69,11 +95,9 @@ class _Counted:
             self.metrics.request(route, status[0], time.perf_counter() - start)
 
 
-def build_app(batcher: Batcher, *, limits: schema.Limits, critic_config, user_token: str, admin_token: str | None,
-              max_body_bytes: int, metrics) -> FastAPI:
+def build_app(batcher: Batcher, bodies: Bodies, *, user_token: str, admin_token: str | None, metrics) -> FastAPI:
     app = FastAPI(title="critic-adapters critic service", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Counted, metrics=metrics)
-    state = {"offloaded": False}
 
     def authorise(request: Request, *, admin: bool) -> None:
         header = request.headers.get("authorization", "")
@@ -89,22 +113,13 @@ def build_app(batcher: Batcher, *, limits: schema.Limits, critic_config, user_to
             raise _Refused(403, "this route needs the admin token" + ("" if admin_token else
                            " (the server was started without --admin-token-file: admin routes are off)"))
 
-    async def read_json(request: Request, *, empty_ok: bool = False) -> dict:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise schema.RequestError("body", f"{declared} bytes; at most {max_body_bytes} (--max-body-bytes)", 413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise schema.RequestError("body", f"more than {max_body_bytes} bytes (--max-body-bytes)", 413)
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if not raw.strip() and empty_ok:
-            return {}
-        return schema.parse_json(raw)
+    async def body_of(request: Request, kind: Kind):
+        try:
+            return await bodies.read(request, kind)
+        except (Busy, ParserGone) as err:
+            raise _status_of(err) from None
 
-    async def engine(kind: str, payload, *, arrived: bool = False):
+    async def engine(kind: Kind, payload, *, arrived: bool = False):
         """Queue work for the engine thread and wait for its result."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -121,37 +136,47 @@ def build_app(batcher: Batcher, *, limits: schema.Limits, critic_config, user_to
 
         try:
             batcher.submit(kind, payload, resolve, arrived=arrived)
-        except QueueFull as err:
-            raise _Refused(429, f"{err}; retry after {RETRY_AFTER_S} s", {"Retry-After": str(RETRY_AFTER_S)})
-        except Stopped as err:
-            raise _Refused(503, str(err))
+        except (QueueFull, Stopped, ServiceBroken) as err:
+            raise _status_of(err) from None
         # shield: a caller that disconnects leaves the work to finish (an update is applied once, answered
         # to its retry from the ledger); only the answer is dropped.
         try:
             return await asyncio.shield(future)
-        except Conflict:
+        except (Conflict, schema.RequestError):
             raise
-        except ValueError as err:  # the engine's own refusal of the input: it checks before touching the weights
-            raise _Refused(422, str(err)) from None
-        except Exception as err:  # noqa: BLE001 - the engine failed (on every rank together): its message
-            raise _Refused(500, f"{type(err).__name__}: {err}") from None
+        except Exception as err:  # noqa: BLE001 - every other outcome is a status (_status_of)
+            raise _status_of(err) from None
 
     def not_offloaded() -> None:
-        if state["offloaded"]:
-            raise _Refused(503, "the critic is offloaded; an admin POST /v1/onload brings it back",
-                           {"Retry-After": str(RETRY_AFTER_S)})
+        if batcher.offloaded:
+            raise _status_of(Offloaded("the critic is offloaded; an admin POST /v1/onload brings it back"))
 
     @app.exception_handler(_Refused)
     async def refused(_, err: _Refused):
-        return _json_error(err.status, err.message, err.field, err.headers)
+        return error_response(err.status, err.message, headers=err.headers)
 
     @app.exception_handler(schema.RequestError)
     async def bad_request(_, err: schema.RequestError):
-        return JSONResponse({"error": {**err.body()["error"], "message": str(err)}}, status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(Conflict)
     async def conflict(_, err: Conflict):
-        return _json_error(409, str(err), "request_id")
+        return error_response(409, str(err), field="request_id", rule="one request_id per update")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        if err.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; the routes are {', '.join(ROUTES)}"
+        elif err.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}; it takes {err.headers.get('Allow')}"
+        else:
+            message = str(err.detail)
+        return error_response(err.status_code, message, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(_, err: Exception):
+        return error_response(500, f"internal error (a bug of the service, not of the request): "
+                                   f"{type(err).__name__}: {err}")
 
     @app.post("/v1/values")
     async def values(request: Request):
@@ -159,21 +184,19 @@ def build_app(batcher: Batcher, *, limits: schema.Limits, critic_config, user_to
         not_offloaded()
         batcher.arriving(+1)  # a values call being packed waits for this one while it is read and checked
         try:
-            body = await read_json(request)
-            parsed = schema.values_request(body, limits, critic_config)
+            parsed = await body_of(request, Kind.VALUES)
         except BaseException:
             batcher.arriving(-1)
             raise
-        result, version = await engine("values", parsed, arrived=True)
+        result, version = await engine(Kind.VALUES, parsed, arrived=True)
         return {"values": result.tolist(), "version": version}
 
     @app.post("/v1/update")
     async def update(request: Request):
         authorise(request, admin=False)
         not_offloaded()
-        body = await read_json(request)
-        parsed = schema.update_request(body, limits, critic_config)
-        answer, replayed = await engine("update", parsed)
+        parsed = await body_of(request, Kind.UPDATE)
+        answer, replayed = await engine(Kind.UPDATE, parsed)
         # A retry gets the first answer as it was; the header says it was not applied again.
         return JSONResponse(answer, headers={"X-Critic-Replayed": "true"} if replayed else None)
 
@@ -184,44 +207,21 @@ def build_app(batcher: Batcher, *, limits: schema.Limits, critic_config, user_to
 
     @app.get("/v1/health")
     async def health():
-        if state["offloaded"]:
-            return JSONResponse({"status": "offloaded", "version": batcher.version}, status_code=503)
-        return {"status": "ok", "version": batcher.version}
+        status, body = batcher.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus(request: Request):
         authorise(request, admin=False)
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/save")
-    async def save(request: Request):
-        authorise(request, admin=True)
-        body = await read_json(request, empty_ok=True)
-        path = schema.path_request(body) if body else None
-        return await engine("save", path)
+    def admin_route(route: str, kind: Kind):
+        @app.post(route, name=kind.value)
+        async def admin(request: Request):
+            authorise(request, admin=True)
+            return await engine(kind, await body_of(request, kind))
 
-    @app.post("/v1/load")
-    async def load(request: Request):
-        authorise(request, admin=True)
-        path = schema.path_request(await read_json(request))
-        return await engine("load", path)
-
-    @app.post("/v1/offload")
-    async def offload(request: Request):
-        authorise(request, admin=True)
-        answer = await engine("offload", None)
-        state["offloaded"] = True
-        return answer
-
-    @app.post("/v1/onload")
-    async def onload(request: Request):
-        authorise(request, admin=True)
-        answer = await engine("onload", None)
-        state["offloaded"] = False
-        return answer
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, _):
-        return _json_error(404, f"no route {request.method} {request.url.path}; the routes are {', '.join(ROUTES)}")
-
+    for route, kind in (("/v1/save", Kind.SAVE), ("/v1/load", Kind.LOAD), ("/v1/offload", Kind.OFFLOAD),
+                        ("/v1/onload", Kind.ONLOAD)):
+        admin_route(route, kind)
     return app

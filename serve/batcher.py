@@ -5,28 +5,42 @@
   to one length and every caller gets its own rows back (at its own length), with the version that
   computed them.
   an update, a save, a load, offload / onload run alone, in their place in the queue: a values call
-  never straddles an update, so the version it names is the one that computed it.
+  never straddles an update, so the version it names is the one that computed it. Updates, saves and
+  loads are serve/updates.py's (exactly once); values and updates that meet an offloaded critic are
+  answered Offloaded (503), whenever they were queued.
 
 The queue is bounded (QueueFull: the server answers 429). A caller that went away still has its work
 done (an update is applied and recorded, so that its retry gets the answer) and its answer dropped.
+When the service cannot go on (a rank gone, the engine thread dead, an update that could not be
+recorded) it fails: the work in hand and queued is answered ServiceBroken (503) with the reason, new
+work is refused alike, health says so, and on_fatal stops the server.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import threading
 import time
 
 import torch
 
-from ..common.engine import RolloutBatch
-from ..common.storage import checkpoints
-from .ledger import Journal, Ledger
-from .schema import UpdateRequest, ValuesRequest, finite_or_none
+from .updates import ServiceBroken, Updates
 
-LEDGER_KEY = "serve_ledger"
-"""The checkpoint's extra_state key under which the ledger is saved."""
+
+class Kind(enum.Enum):
+    """The work the engine thread does: the closed set every route maps to."""
+
+    VALUES = "values"
+    UPDATE = "update"
+    SAVE = "save"
+    LOAD = "load"
+    OFFLOAD = "offload"
+    ONLOAD = "onload"
+
+
+NEEDS_THE_CRITIC_ON = frozenset({Kind.VALUES, Kind.UPDATE})
 
 
 class QueueFull(Exception):
@@ -37,9 +51,13 @@ class Stopped(Exception):
     """The server is shutting down."""
 
 
+class Offloaded(Exception):
+    """The critic is offloaded (an admin POST /v1/onload brings it back)."""
+
+
 @dataclasses.dataclass(slots=True)
 class _Work:
-    kind: str
+    kind: Kind
     payload: object
     resolve: object
     """resolve(result, error): called on the engine thread with exactly one of them."""
@@ -59,20 +77,23 @@ class BatchingConfig:
 
 
 class Batcher:
-    def __init__(self, critic, config: BatchingConfig, *, ledger: Ledger, journal: Journal, checkpoint_root: str,
-                 save_every: int, keep_last: int, metrics, say=print):
-        self.critic, self.config, self.ledger, self.journal = critic, config, ledger, journal
-        self.checkpoint_root, self.save_every, self.keep_last = checkpoint_root, save_every, keep_last
-        self.metrics, self.say = metrics, say
+    def __init__(self, critic, config: BatchingConfig, *, updates: Updates, metrics, on_fatal=None, say=print):
+        self.critic, self.config, self.updates = critic, config, updates
+        self.metrics, self.on_fatal, self.say = metrics, on_fatal, say
         self._queue: collections.deque[_Work] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._arriving = 0  # values requests the server has accepted and is still reading or checking
         self._thread = threading.Thread(target=self._loop, name="critic-engine", daemon=True)
-        self.version = critic.version
-        self.position: dict = {}
-        """The extra state of the checkpoint loaded (a training run's data position), kept in the saves."""
-        self.metrics.set(version=self.version)
+        self.offloaded = False
+        self.failure: str | None = None
+        """Why the service cannot go on (None while it can)."""
+        self._handlers = {Kind.UPDATE: updates.update, Kind.SAVE: updates.save, Kind.LOAD: updates.load,
+                          Kind.OFFLOAD: self._offload, Kind.ONLOAD: self._onload}
+
+    @property
+    def version(self) -> int:
+        return self.updates.version
 
     # -- the server's side ------------------------------------------------------------------------
     def start(self) -> None:
@@ -86,11 +107,14 @@ class Batcher:
             if delta < 0:
                 self._cond.notify()
 
-    def submit(self, kind: str, payload, resolve, *, arrived: bool = False) -> None:
-        """Queue work; QueueFull when max_queue requests wait, Stopped once the server is stopping.
-        arrived: a values request counted by arriving(+1), no longer on its way (whether queued or refused)."""
+    def submit(self, kind: Kind, payload, resolve, *, arrived: bool = False) -> None:
+        """Queue work; QueueFull when max_queue requests wait, Stopped once the server is stopping,
+        ServiceBroken once it failed. arrived: a values request counted by arriving(+1), no longer on
+        its way (whether queued or refused)."""
         with self._cond:
             self._arriving -= int(arrived)
+            if self.failure is not None:
+                raise ServiceBroken(self.failure)
             if self._stopping:
                 raise Stopped("the server is shutting down")
             if len(self._queue) >= self.config.max_queue:
@@ -99,30 +123,61 @@ class Batcher:
             self.metrics.set(queue_depth=len(self._queue))
             self._cond.notify()
 
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) of /v1/health: 200 while values can be answered."""
+        if self.failure is None:
+            lost = self.critic.lost()
+            if lost is not None:
+                self.fail(f"{lost}: the critic's ranks cannot answer")
+        if self.failure is not None:
+            return 503, {"status": "failed", "reason": self.failure, "version": self.version}
+        if self.offloaded:
+            return 503, {"status": "offloaded", "version": self.version}
+        return 200, {"status": "ok", "version": self.version}
+
     def stop(self) -> None:
-        """Finish what is queued, then end the engine thread."""
+        """Finish what is queued, then end the engine thread (a failed one is not waited for long: it
+        may be stuck in a collective with a rank that is gone)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(None if self.failure is None else 10)
+
+    def fail(self, reason: str) -> None:
+        """The service cannot go on: answer the queued work ServiceBroken, refuse new work, stop the server."""
+        with self._cond:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            queued = list(self._queue)
+            self._queue.clear()
+            self.metrics.set(queue_depth=0)
+        for work in queued:
+            work.resolve(None, ServiceBroken(reason))
+        self.say(f"error: the service stops: {reason}")
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     # -- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                first = self._queue.popleft()
-                group = [first]
-                if first.kind == "values" and self.config.batching and first.payload.multi_modal_inputs is None:
-                    group = self._gather_values(first)
-                self.metrics.set(queue_depth=len(self._queue))
-            if first.kind == "values":
-                self._run_values(group)
-            else:
-                self._run_one(first)
+        group: list[_Work] = []
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._stopping:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    first = self._queue.popleft()
+                    group = [first]
+                    if first.kind is Kind.VALUES and self.config.batching and first.payload.multi_modal_inputs is None:
+                        group = self._gather_values(first)
+                    self.metrics.set(queue_depth=len(self._queue))
+                self._run(group)
+        except BaseException as err:  # noqa: BLE001 - a dead engine thread must not leave callers waiting
+            self.fail(f"the engine thread died: {type(err).__name__}: {err}")
+            for work in group:  # the work in hand (a caller answered already ignores a second outcome)
+                work.resolve(None, ServiceBroken(self.failure))
 
     def _gather_values(self, first: _Work) -> list[_Work]:
         """(under the lock) `first` and the values requests that follow it, up to the token budget,
@@ -133,7 +188,7 @@ class Batcher:
         while tokens < self.config.token_budget:
             if self._queue:
                 head = self._queue[0]
-                if head.kind != "values" or head.payload.multi_modal_inputs is not None \
+                if head.kind is not Kind.VALUES or head.payload.multi_modal_inputs is not None \
                         or tokens + head.payload.tokens > self.config.token_budget:
                     break
                 group.append(self._queue.popleft())
@@ -145,113 +200,49 @@ class Batcher:
             self._cond.wait(left)
         return group
 
-    def _run_values(self, group: list[_Work]) -> None:
-        requests: list[ValuesRequest] = [work.payload for work in group]
+    def _run(self, group: list[_Work]) -> None:
+        """Run a piece of work and resolve its callers with its outcome (exactly one each)."""
+        kind = group[0].kind
+        try:
+            if self.failure is not None:
+                raise ServiceBroken(self.failure)
+            if kind in NEEDS_THE_CRITIC_ON and self.offloaded:
+                raise Offloaded("the critic is offloaded; an admin POST /v1/onload brings it back")
+            results = self._values(group) if kind is Kind.VALUES else [self._handlers[kind](group[0].payload)]
+        except Exception as err:  # noqa: BLE001 - answered to every caller of the call
+            reason = str(err) if isinstance(err, ServiceBroken) else self.critic.lost()
+            if reason is not None:
+                self.fail(reason)
+                err = ServiceBroken(self.failure)
+            for work in group:
+                work.resolve(None, err)
+            return
+        for work, result in zip(group, results):
+            work.resolve(result, None)
+
+    def _values(self, group: list[_Work]) -> list:
+        requests = [work.payload for work in group]
         width = max(r.input_ids.shape[1] for r in requests)
         input_ids = torch.cat([_right_pad(r.input_ids, width) for r in requests])
         attention_mask = torch.cat([_right_pad(r.attention_mask, width) for r in requests])
         images = requests[0].multi_modal_inputs if len(requests) == 1 else None
-        try:
-            values, version = self.critic.compute_values(input_ids, attention_mask, images, return_version=True)
-        except Exception as err:  # noqa: BLE001 - every caller of the call gets it
-            for work in group:
-                work.resolve(None, err)
-            return
+        values, version = self.critic.compute_values(input_ids, attention_mask, images, return_version=True)
         self.metrics.engine_call(rows=input_ids.shape[0], tokens=int(attention_mask.sum()), requests=len(group))
-        start = 0
-        for work, request in zip(group, requests):
+        out, start = [], 0
+        for request in requests:
             rows, own = request.input_ids.shape
-            work.resolve((values[start:start + rows, :own], version), None)
+            out.append((values[start:start + rows, :own], version))
             start += rows
-
-    def _run_one(self, work: _Work) -> None:
-        try:
-            result = getattr(self, f"_{work.kind}")(work.payload)
-        except Exception as err:  # noqa: BLE001 - answered to the caller
-            work.resolve(None, err)
-            return
-        work.resolve(result, None)
-
-    def _update(self, request: UpdateRequest) -> tuple[dict, bool]:
-        """(the answer, whether it is the first answer of an update applied before)."""
-        seen = self.ledger.answer(request.request_id, request.digest)
-        if seen is not None:
-            self.metrics.set(replayed_updates=self.metrics.replayed_updates + 1)
-            return seen, True
-        answer = self.apply(request)
-        self.journal.append(request.to_json(), request.digest, answer)
-        if self.save_every and self.version % self.save_every == 0:
-            self._save(None)
-        return answer, False
-
-    def apply(self, request: UpdateRequest) -> dict:
-        """Apply an update (no ledger check) and record its answer in the ledger."""
-        batch = RolloutBatch(request.input_ids, request.attention_mask, request.response_mask, request.old_values,
-                             request.returns, request.value_mask, request.multi_modal_inputs)
-        metrics = self.critic.update(batch)
-        self.version = self.critic.version
-        self.metrics.set(version=self.version)
-        answer = {"request_id": request.request_id, "version": self.version,
-                  "metrics": {name: finite_or_none(float(value)) for name, value in metrics.items()}}
-        self.ledger.record(request.request_id, request.digest, answer)
-        return answer
-
-    def _save(self, path: str | None) -> dict:
-        """A checkpoint with the ledger: under checkpoint_root as step_<version> (marked latest, older ones
-        pruned, the journal emptied), or at `path`."""
-        directory = path or checkpoints.step_dir(self.checkpoint_root, self.version)
-        extra_state = {**self.position, "global_step": self.version, LEDGER_KEY: self.ledger.entries()}
-        self.critic.save_checkpoint(directory, extra_state)
-        if path is None:
-            checkpoints.mark_latest(self.checkpoint_root, directory)
-            checkpoints.prune(self.checkpoint_root, keep_last=self.keep_last)
-            self.journal.clear()
-        self.say(f"checkpoint saved: {directory} (version {self.version})")
-        return {"path": directory, "version": self.version}
-
-    def save(self, path: str | None) -> dict:
-        return self._save(path)
-
-    def restore(self, path: str) -> None:
-        """The weights, version and ledger of a checkpoint (a training run's: its data position kept)."""
-        state = dict(self.critic.load_checkpoint(path))
-        self.ledger = Ledger(state.pop(LEDGER_KEY, None))
-        state.pop("extra_tensors", None)
-        self.position = state
-        self.version = self.critic.version
-        self.metrics.set(version=self.version)
-
-    def _load(self, path: str) -> dict:
-        self.restore(path)
-        # The journal's updates were applied to the state just replaced: a restart must start from this
-        # one, so it becomes the latest checkpoint; the run's checkpoints at or past its version belong to
-        # the line of updates it replaced, so they move aside (kept) rather than outrank it.
-        self._supersede_from(self.version)
-        self._save(None)
-        return {"path": path, "version": self.version}
-
-    def _supersede_from(self, version: int) -> None:
-        import os
-        import re
-        import shutil
-        import time
-
-        later = [path for path in checkpoints.complete_checkpoints(self.checkpoint_root)
-                 if int(re.search(r"(\d+)$", os.path.basename(path)).group(1)) >= version]
-        if not later:
-            return
-        aside = os.path.join(self.checkpoint_root, time.strftime("superseded-%Y%m%dT%H%M%S"))
-        os.makedirs(aside, exist_ok=True)
-        for path in later:
-            shutil.move(path, os.path.join(aside, os.path.basename(path)))
-        self.say(f"{len(later)} checkpoint(s) past the loaded version {version} moved to {aside}")
+        return out
 
     def _offload(self, _) -> dict:
         self.critic.offload()
+        self.offloaded = True
         return {"offloaded": True}
 
     def _onload(self, _) -> dict:
         self.critic.onload()
+        self.offloaded = False
         return {"offloaded": False}
 
 

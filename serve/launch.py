@@ -23,8 +23,8 @@ import os
 import signal
 import threading
 
-from ..common.job.launcher import (LauncherSpec, _relaunch_under_torchrun, _without_nproc, configured, fail,
-                                   parse_command_line, say, say_error)
+from ..common.job.launcher import (LauncherSpec, _relaunch_under_torchrun, _without_nproc, configured,
+                                   exit_process, fail, parse_command_line, say, say_error)
 
 SERVE_DEFAULTS = ("engine.optim.lr_schedule=constant", "engine.optim.warmup_ratio=null",
                   "trainer.run_dir=outputs/serve")
@@ -53,6 +53,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-every", type=int, default=50,
                        help="checkpoint every N updates, which also empties the journal (default 50; 0: only "
                             "when asked and at exit with --save-on-exit)")
+    group.add_argument("--journal-limit-mb", type=int, default=1024,
+                       help="checkpoint when the journal of updates since the last one passes this size, whatever "
+                            "--save-every says (default 1024)")
+    group.add_argument("--max-parsing", type=int, default=4,
+                       help="request bodies read and parsed at once (default 4); up to --max-queue more wait, "
+                            "more than that get 429")
     group.add_argument("--save-on-exit", action="store_true", help="checkpoint after the last request on SIGTERM")
     group.add_argument("--no-batching", action="store_true", help="one engine call per values request (a baseline)")
     group.add_argument("--ray", action="store_true", help="the engine's ranks as Ray actors in this process's group")
@@ -114,7 +120,7 @@ def _check(args, config) -> int:
     """Every check before a process starts; returns the process count."""
     from ..common.engine.registry import check_engine_config, check_installed, check_layout
 
-    for flag in ("token_budget", "max_queue", "max_body_bytes", "max_rows"):
+    for flag in ("token_budget", "max_queue", "max_body_bytes", "max_rows", "journal_limit_mb", "max_parsing"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if args.max_wait_ms < 0 or args.save_every < 0:
@@ -189,7 +195,8 @@ def serve_rank(args, config, tokens) -> int:
     from ..common.job.lifeline import LAUNCHER_PID_ENV, exit_when_gone
     from ..common.job.trainer import resolve_model_path
     from ..common.parallel.distributed import init_distributed, shutdown
-    from .ranks import RankZeroCritic, close_command_group, command_group, follow
+    from .crash_points import CrashPoints
+    from .ranks import RankZeroCritic, close_command_group, command_group, follow, rank_processes
 
     if LAUNCHER_PID_ENV in os.environ:
         exit_when_gone(int(os.environ[LAUNCHER_PID_ENV]))
@@ -205,18 +212,21 @@ def serve_rank(args, config, tokens) -> int:
                                                                                       path=model_path))
         engine = build_engine(config.backend, engine_config, dist)
         group = command_group(dist.world_size)
+        processes = rank_processes(group)
         if not dist.is_main:
-            follow(engine, group, timeout)
+            follow(engine, group, timeout, CrashPoints())
             close_command_group(group)
             group = None  # its gloo threads end with the last reference
             engine.close()
             shutdown()
             return 0
-        critic, group = RankZeroCritic(engine, group, timeout), None
+        critic, group = RankZeroCritic(engine, group, timeout, processes), None
         try:
             serve(critic, args, config, tokens, _critic_config(config, model_path, dist.world_size), say=say)
-        finally:
-            critic.close()
+        except ServiceFailed as err:  # said in one line; the other ranks may be gone or waiting: no goodbye
+            say_error(str(err))
+            exit_process(1)
+        critic.close()
         engine.close()
     except BaseException as err:  # noqa: BLE001 - reported as the training launcher reports it
         return fail(err, dist)
@@ -247,6 +257,9 @@ def _serve_on_ray(args, config, tokens, processes: int) -> int:
         say(f"starting {processes} Ray worker(s)")
         with RayCriticGroup(config.backend, engine_config, processes) as group:
             serve(group, args, config, tokens, _critic_config(config, model_path, processes), say=say)
+    except ServiceFailed as err:
+        say_error(str(err))
+        return 1
     except BaseException as err:  # noqa: BLE001
         return fail(err, None)
     finally:
@@ -254,8 +267,14 @@ def _serve_on_ray(args, config, tokens, processes: int) -> int:
     return 0
 
 
+class ServiceFailed(RuntimeError):
+    """The service stopped because it could not go on (Batcher.fail's reason): the process exits non-zero."""
+
+
 def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
-    """The server over `critic` (RankZeroCritic or RayCriticGroup) until SIGTERM / Ctrl-C."""
+    """The server over `critic` (RankZeroCritic or RayCriticGroup) until SIGTERM / Ctrl-C, or ServiceFailed."""
+    import functools
+
     import uvicorn
 
     from ..common.engine.config import to_yaml
@@ -263,69 +282,64 @@ def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
     from ..common.storage import checkpoints
     from .app import build_app
     from .batcher import Batcher, BatchingConfig
-    from .ledger import Journal, Ledger
+    from .bodies import Bodies
+    from .crash_points import CrashPoints
+    from .ledger import Journal
     from .metrics import Metrics
     from .schema import Limits, update_request
+    from .updates import Updates
 
     run_dir = os.path.abspath(config.trainer.run_dir)
     root = os.path.join(run_dir, "checkpoints")
     text = critic_config.get_text_config()
     limits = Limits(vocab_size=text.vocab_size, max_positions=getattr(text, "max_position_embeddings", None),
                     max_rows=args.max_rows, max_tokens=max(args.token_budget, 65536))
-    metrics = Metrics()
+    metrics, crash = Metrics(), CrashPoints()
     with run_dir_lock(run_dir):
         os.makedirs(root, exist_ok=True)
-        checkpoints.prune(root, keep_last=config.trainer.keep_last)  # staging left by an interrupted save
+        checkpoints.remove_staging_leftovers(root)  # an interrupted save's; complete checkpoints stay
         if not (args.resume and os.path.isfile(os.path.join(run_dir, "config.yaml"))):  # a run's own stays
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(config))
-        journal = Journal(os.path.join(run_dir, JOURNAL))
+        journal = Journal(os.path.join(run_dir, JOURNAL), crash_mid_line=crash.mid_line if crash.armed else None)
+        updates = Updates(critic, journal=journal, checkpoint_root=root, save_every=args.save_every,
+                          journal_limit_bytes=args.journal_limit_mb << 20, keep_last=config.trainer.keep_last,
+                          metrics=metrics, crash=crash, say=say)
+        if args.resume:
+            updates.resume(functools.partial(update_request, limits=limits, critic_config=critic_config))
+        server = None
+
+        def stop_serving(_reason: str) -> None:  # Batcher.fail, from any thread: uvicorn polls should_exit
+            server.should_exit = True
+
         batcher = Batcher(critic, BatchingConfig(token_budget=args.token_budget, max_wait_s=args.max_wait_ms / 1000,
                                                  max_queue=args.max_queue, batching=not args.no_batching),
-                          ledger=Ledger(), journal=journal, checkpoint_root=root, save_every=args.save_every,
-                          keep_last=config.trainer.keep_last, metrics=metrics, say=say)
-        if args.resume:
-            _resume(batcher, root, journal, limits, critic_config, update_request, say)
-        batcher.start()
-        app = build_app(batcher, limits=limits, critic_config=critic_config, user_token=tokens[0],
-                        admin_token=tokens[1], max_body_bytes=args.max_body_bytes, metrics=metrics)
+                          updates=updates, metrics=metrics, on_fatal=stop_serving, say=say)
+        bodies = Bodies(limits=limits, critic_config=critic_config, max_body_bytes=args.max_body_bytes,
+                        max_parsing=args.max_parsing, max_waiting=args.max_queue)
+        app = build_app(batcher, bodies, user_token=tokens[0], admin_token=tokens[1], metrics=metrics)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, lifespan="off"))
+        batcher.start()
         threading.Thread(target=_announce, args=(server, args.host, say), daemon=True).start()
         # uvicorn raises the signal that stopped it again once it has, under the handlers it found: these
         # make that a no-op, so that the queued work, the save and a clean exit still happen.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            server.run()  # until SIGTERM / SIGINT: stops accepting, waits for the requests in flight
+            server.run()  # until SIGTERM / SIGINT / Batcher.fail: stops accepting, answers the requests in flight
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        say("stopping: finishing the queued work")
+            bodies.close()
+        if batcher.failure is None:
+            say("stopping: finishing the queued work")
         batcher.stop()
+        journal.close()
+        if batcher.failure is not None:
+            raise ServiceFailed(f"the service stopped at version {batcher.version}: {batcher.failure}")
         if args.save_on_exit:
-            batcher.save(None)
+            updates.save(None)
     say(f"stopped at version {batcher.version}")
-
-
-def _resume(batcher, root: str, journal, limits, critic_config, update_request, say) -> None:
-    """The last checkpoint (weights, ledger), then the journal's updates past it, in order."""
-    from ..common.storage import checkpoints
-
-    latest = checkpoints.find_latest(root)
-    if latest is not None:
-        batcher.restore(latest)
-        say(f"resumed from {latest} at version {batcher.version} ({len(batcher.ledger)} update answers kept)")
-    pending = [entry for entry in journal.entries() if entry["answer"]["version"] > batcher.version]
-    for entry in pending:
-        answer = batcher.apply(update_request(entry["body"], limits, critic_config))
-        if answer["version"] != entry["answer"]["version"]:
-            raise RuntimeError(f"the journal's update {entry['body']['request_id']!r} was answered at version "
-                               f"{entry['answer']['version']} but applies at {answer['version']}: the journal does not "
-                               f"continue the checkpoint; move {journal.path} away to serve the checkpoint as it is")
-        batcher.ledger.record(entry["body"]["request_id"], entry["digest"], entry["answer"])  # the first answer
-    if pending:
-        say(f"applied the journal's {len(pending)} update(s) after the checkpoint again: version {batcher.version}")
-    batcher.metrics.set(version=batcher.version)
 
 
 def _announce(server, host: str, say) -> None:

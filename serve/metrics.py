@@ -46,6 +46,7 @@ class Metrics:
         self.queue_depth = 0
         self.version = 0
         self.replayed_updates = 0
+        self.checkpoint_failures = 0
 
     def request(self, route: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -82,5 +83,8 @@ class Metrics:
                     "# HELP critic_version Optimizer steps the critic has taken.", "# TYPE critic_version gauge",
                     f"critic_version {self.version}",
                     "# HELP critic_update_retries_total Updates answered from the ledger (a retry, not applied again).",
-                    "# TYPE critic_update_retries_total counter", f"critic_update_retries_total {self.replayed_updates}"]
+                    "# TYPE critic_update_retries_total counter", f"critic_update_retries_total {self.replayed_updates}",
+                    "# HELP critic_checkpoint_failures_total Checkpoints after an update that failed (the journal "
+                    "kept the updates).", "# TYPE critic_checkpoint_failures_total counter",
+                    f"critic_checkpoint_failures_total {self.checkpoint_failures}"]
             return "\n".join(out) + "\n"

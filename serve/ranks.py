@@ -11,17 +11,25 @@ followers wait for the next piece.
 
 RankZeroCritic is, on rank 0, the same driver-side surface as integrations.ray.RayCriticGroup
 (compute_values of every row, update of a whole mini-batch, version, save / load, offload / onload,
-close), so the server drives either.
+lost, close), so the server drives either.
+
+A rank that dies (killed, out of memory) is found by rank 0 at once: its collective with that rank
+fails as the connection closes, and while rank 0 waits for the ranks' outcomes it watches the other
+ranks' processes on its own machine (lost()), so it answers the request in flight, naming the rank,
+instead of waiting out the collective timeout while torchrun ends the job.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import signal
+import socket
 
 import torch
 
 from ..common.engine import RolloutBatch
+from ..common.job.lifeline import is_gone, process_identity
 from ..common.parallel.batching import data_parallel_shares
 from ..common.parallel.distributed import all_gather_object, broadcast_object, one_outcome, world_group
 from ..common.valuehead.multimodal import select, vision_patches
@@ -35,6 +43,12 @@ def command_group(world_size: int):
     if world_size == 1:
         return None
     return torch.distributed.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def rank_processes(group) -> list[tuple[str, int, str | None]]:
+    """(host, pid, process identity) of every rank, in rank order (collective over `group`, every rank)."""
+    me = (socket.gethostname(), os.getpid(), process_identity(os.getpid()))
+    return [me] if group is None else all_gather_object(me, group=group)
 
 
 def close_command_group(group) -> None:
@@ -81,16 +95,17 @@ def run_command(engine, command: tuple):
     raise ValueError(f"unknown command {op!r}")
 
 
-def follow(engine, group, timeout_s: float) -> None:
+def follow(engine, group, timeout_s: float, crash) -> None:
     """A follower's loop: every command rank 0 sends, until it says stop. SIGTERM and Ctrl-C are rank
     0's to act on (it drains, saves if asked, then says stop); a follower leaves only then, or when
-    its launcher is gone (common.job.lifeline)."""
+    its launcher is gone (common.job.lifeline). `crash`: serve/crash_points.py."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         command = broadcast_object(None, src=0, group=group)
         if command[0] == "stop":
             return
+        crash.reach("follower-command")
         try:
             with one_outcome(f"serving {command[0]}", group=world_group(), timeout_s=timeout_s):
                 run_command(engine, command)
@@ -101,15 +116,25 @@ def follow(engine, group, timeout_s: float) -> None:
 class RankZeroCritic:
     """Rank 0's handle on the engine of every rank (a world of one: the engine itself)."""
 
-    def __init__(self, engine, group, timeout_s: float):
+    def __init__(self, engine, group, timeout_s: float, processes: list[tuple[str, int, str | None]]):
         self.engine, self.group, self.timeout_s = engine, group, timeout_s
+        self.processes = processes
+        """rank_processes(): what lost() watches."""
         self.data_parallel_ranks = engine.data_parallel_ranks
 
     def _all(self, *command):
         if self.group is not None:
             broadcast_object(command, src=0, group=self.group)
-        with one_outcome(f"serving {command[0]}", group=world_group(), timeout_s=self.timeout_s):
+        with one_outcome(f"serving {command[0]}", group=world_group(), timeout_s=self.timeout_s, lost=self.lost):
             return run_command(self.engine, command)
+
+    def lost(self) -> str | None:
+        """Why the ranks cannot answer any more (a rank's process on this machine has exited), or None.
+        Ranks on other machines are not watched: their loss shows as the collective's error."""
+        host = socket.gethostname()
+        gone = [f"rank {rank} (pid {pid})" for rank, (where, pid, identity) in enumerate(self.processes)
+                if rank > 0 and where == host and is_gone(pid, identity)]
+        return f"{', '.join(gone)} of {len(self.processes)} exited" if gone else None
 
     @property
     def version(self) -> int:

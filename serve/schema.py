@@ -12,11 +12,15 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 
+import numpy
 import torch
 
 MAX_REQUEST_ID = 200
 """Characters of a request_id (it is kept in the ledger and the journal)."""
+MAX_DEPTH = 32
+"""Nesting of a JSON body: rows of numbers are 3 levels deep, a vision row's pixels a few more."""
 
 
 class RequestError(ValueError):
@@ -27,7 +31,10 @@ class RequestError(ValueError):
         self.field, self.rule, self.status = field, rule, status
 
     def body(self) -> dict:
-        return {"error": {"field": self.field, "rule": self.rule, "status": self.status}}
+        return {"error": {"status": self.status, "message": str(self), "field": self.field, "rule": self.rule}}
+
+    def __reduce__(self):  # raised in a parsing process (serve/bodies.py), re-raised in the server's
+        return type(self), (self.field, self.rule, self.status)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +89,9 @@ _UPDATE_FIELDS = ("input_ids", "attention_mask", "response_mask", "old_values", 
 
 
 def parse_json(raw: bytes) -> dict:
+    depth = nesting_depth(raw)
+    if depth > MAX_DEPTH:
+        raise RequestError("body", f"JSON nested {depth} levels deep; at most {MAX_DEPTH}", 400)
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -89,6 +99,22 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise RequestError("body", f"a JSON object is expected, got {type(body).__name__}", 400)
     return body
+
+
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, no backtracking on long strings
+
+
+def nesting_depth(raw: bytes) -> int:
+    """How deep the brackets of a JSON text nest (outside strings), without parsing it: the parser
+    recurses once a level, so a body of 200,000 '[' must be refused before it."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS) if b'"' in raw else \
+        raw.translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = numpy.frombuffer(brackets, dtype=numpy.uint8)
+    # "[" 0x5B and "{" 0x7B open; "]" 0x5D and "}" 0x7D close
+    return int(numpy.cumsum(numpy.where((steps & 0x04) == 0, 1, -1), dtype=numpy.int64).max())
 
 
 def _rows(body: dict, field: str, *, required: bool = True, shape: tuple[int, int] | None = None) -> list | None:
@@ -235,15 +261,41 @@ def update_request(body: dict, limits: Limits, critic_config=None) -> UpdateRequ
     old_values = _tensor(_rows(body, "old_values", shape=shape), "old_values", torch.float32)
     returns = _tensor(_rows(body, "returns", shape=shape), "returns", torch.float32)
     images = _images(body, input_ids, attention_mask, critic_config)
-    digest = hashlib.sha256(json.dumps({k: body.get(k) for k in sorted(body) if k != "request_id"},
-                                       sort_keys=True, allow_nan=True).encode()).hexdigest()
+    digest = update_digest(input_ids, attention_mask, response_mask, old_values, returns,
+                           response_mask if value_mask is None else value_mask, images=images)
     return UpdateRequest(request_id, digest, input_ids, attention_mask, response_mask, old_values, returns,
                          value_mask, images)
+
+
+def update_digest(*tensors: torch.Tensor, images: tuple | None = None) -> str:
+    """sha256 of an update by its meaning: each field's shape, dtype and values as the engine takes them
+    (so 1 and 1.0, 0.1 written in any number of digits, an absent value_mask and one equal to
+    response_mask, are the same update), not by the bytes a client's serialiser wrote."""
+    digest = hashlib.sha256()
+
+    def add(tensor: torch.Tensor) -> None:
+        digest.update(f"{tuple(tensor.shape)}{tensor.dtype};".encode())
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    for tensor in tensors:
+        add(tensor)
+    for row in images or ():
+        digest.update(b"|row")
+        for key in sorted(row):
+            digest.update(key.encode())
+            add(row[key])
+    return digest.hexdigest()
 
 
 def finite_or_none(value: float) -> float | None:
     """A metric as JSON can carry it (NaN and infinities are not JSON)."""
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def empty_request(body: dict) -> None:
+    """A route that takes no fields: {} (or no body at all)."""
+    if body:
+        raise RequestError(sorted(body)[0], "unknown field; the route takes no fields (send {} or nothing)")
 
 
 def path_request(body: dict) -> str:

@@ -26,6 +26,22 @@ def _process_state(pid: int) -> tuple[str, str] | None:
     return fields[0], fields[19]
 
 
+def process_identity(pid: int) -> str | None:
+    """What tells `pid` apart from a later process that reuses the number (its start time), or None
+    when there is no such process or no /proc to ask."""
+    state = _process_state(pid)
+    return None if state is None else state[1]
+
+
+def is_gone(pid: int, identity: str | None) -> bool:
+    """Whether the process process_identity() described has exited: no such process, a zombie (exited,
+    not yet reaped by its parent), or its number reused. False where /proc cannot tell (identity None)."""
+    if identity is None:
+        return False
+    state = _process_state(pid)
+    return state is None or state[0] in "ZX" or state[1] != identity
+
+
 def exit_when_gone(pid: int, poll_s: float = 0.5) -> bool:
     """Start a daemon thread that ends this process once `pid` has exited; False when it cannot watch
     (no /proc). A zombie counts as gone, and a recycled pid is told apart by its start time."""
@@ -38,8 +54,7 @@ def exit_when_gone(pid: int, poll_s: float = 0.5) -> bool:
 
     def watch() -> None:
         while True:
-            state = _process_state(pid)
-            if state is None or state[0] in "ZX" or state[1] != started:
+            if is_gone(pid, started):
                 _leave(pid)
             time.sleep(poll_s)
 

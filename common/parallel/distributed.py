@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import socket
+import time
 import warnings
 
 import torch
@@ -204,7 +205,7 @@ def _failure_kind(err: BaseException) -> str:
     return type(err).__name__
 
 
-def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s: float) -> None:
+def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s: float, lost=None) -> None:
     """Every rank of `group` calls this after `what` with its own error (None: it succeeded); if
     any rank failed, every rank raises: the rank whose error caused it re-raises its own, the others
     an error of the same kind (ValueError, OSError, else FailedOnAnotherRank) with that rank's
@@ -212,7 +213,9 @@ def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s
     failed before a collective its peers are in must not meet them in the wrong one (they leave it
     at the group's timeout, then learn here why). A rank that does not report within twice
     `timeout_s` (the collective timeout it may first wait out, then as long again) is named in a
-    RuntimeError."""
+    RuntimeError. `lost` (optional: () -> a reason or None) is asked while waiting: a rank it says is
+    gone (a process that exited) ends the wait at once with a RuntimeError giving its reason, rather
+    than after the timeout."""
     if not _active(group):
         if error is not None:
             raise error
@@ -228,7 +231,9 @@ def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s
         "kind": kind, "message": str(error) if kind in ("ValueError", "OSError") else f"{type(error).__name__}: {error}"}
     store.set(prefix + str(me), json.dumps(mine))
     try:
-        store.wait([prefix + str(r) for r in ranks], datetime.timedelta(seconds=2 * timeout_s))
+        _wait_for_outcomes(store, [prefix + str(r) for r in ranks], 2 * timeout_s, lost)
+    except _RankGone as gone:
+        raise RuntimeError(f"{what}: {gone}") from error
     except Exception as waited:  # noqa: BLE001 - the store's timeout error has no stable type
         missing = [r for r in ranks if not store.check([prefix + str(r)])]
         raise RuntimeError(f"{what}: rank(s) {missing} did not finish it within {2 * timeout_s:g} s "
@@ -246,18 +251,38 @@ def agree_on_failure(error: BaseException | None, what: str, *, group, timeout_s
            else FailedOnAnotherRank(text)) from error
 
 
+class _RankGone(Exception):
+    """agree_on_failure's `lost` named a rank that is gone."""
+
+
+def _wait_for_outcomes(store, keys: list[str], timeout_s: float, lost) -> None:
+    if lost is None:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        return
+    # Polled rather than waited on: a store wait cannot be interrupted when a rank is found gone.
+    deadline, pause = time.monotonic() + timeout_s, 0.002
+    while not store.check(keys):
+        reason = lost()
+        if reason:
+            raise _RankGone(reason)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reported within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
 @contextlib.contextmanager
-def one_outcome(what: str, *, group, timeout_s: float):
-    """The block runs on every rank of `group`, and fails on every rank or on none (agree_on_failure).
-    Ctrl-C and exit pass through: every rank got the signal."""
+def one_outcome(what: str, *, group, timeout_s: float, lost=None):
+    """The block runs on every rank of `group`, and fails on every rank or on none (agree_on_failure;
+    `lost` as there). Ctrl-C and exit pass through: every rank got the signal."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as err:  # noqa: BLE001 - reported to every rank, then re-raised here
-        agree_on_failure(err, what, group=group, timeout_s=timeout_s)
+        agree_on_failure(err, what, group=group, timeout_s=timeout_s, lost=lost)
         raise
-    agree_on_failure(None, what, group=group, timeout_s=timeout_s)
+    agree_on_failure(None, what, group=group, timeout_s=timeout_s, lost=lost)
 
 
 def world_group():

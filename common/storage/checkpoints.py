@@ -73,7 +73,14 @@ def mark_latest(root: str, directory: str) -> None:
 def prune(root: str, keep_last: int, marker: str = META_FILE) -> list[str]:
     """Delete all but the newest `keep_last` complete checkpoints, and leftover staging directories."""
     removed = complete_checkpoints(root, marker)[:-keep_last]
-    removed += [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".step_") and ".tmp-" in n]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed + remove_staging_leftovers(root)
+
+
+def remove_staging_leftovers(root: str) -> list[str]:
+    """Delete the staging directories of interrupted saves (never read); complete checkpoints stay."""
+    removed = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".step_") and ".tmp-" in n]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
@@ -327,7 +334,8 @@ def _disk_full_message(root: str, directory: str, needed: int, free: int) -> str
             f"lower trainer.keep_last), then resume with --resume")
 
 
-def _caused_by_full_disk(err: BaseException | None) -> bool:
+def caused_by_full_disk(err: BaseException | None) -> bool:
+    """Whether `err`, or an error it was raised from, is a full disk or quota (ENOSPC, EDQUOT)."""
     import errno
 
     while err is not None:
@@ -354,6 +362,6 @@ def save_with_space_check(engine, root: str, directory: str, extra_state: dict, 
         engine.save_checkpoint(directory, extra_state, **({"extra_tensors": extra_tensors} if extra_tensors else {}))
     except Exception as err:
         free = shutil.disk_usage(root).free
-        if free < needed or _caused_by_full_disk(err):
+        if free < needed or caused_by_full_disk(err):
             raise ValueError(_disk_full_message(root, directory, needed, free)) from err
         raise

@@ -110,7 +110,7 @@ class RayCriticGroup:
         ensure_ray(address)
         self.backend, self.config, self.num_workers = backend, engine_config, num_workers
         self.error_grace_s = error_grace_s
-        self.actors, self._closed = [], False
+        self.actors, self._closed, self._lost = [], False, None
         if placement_group is not None:
             self.bundle_indices = _check_bundles(placement_group, bundle_indices, num_workers, resources)
             self.placement_group, self._owns_placement_group = placement_group, False
@@ -191,20 +191,21 @@ class RayCriticGroup:
             if not ready:  # an engine error on some workers, and the others still inside a collective
                 first = min(errors)
                 self._stop()
-                raise CriticWorkerError(
-                    f"{self._describe(first)} failed in {what}: {errors[first]}; workers "
-                    f"{sorted(rank_of[r] for r in pending)} were still running {self.error_grace_s:.0f} s "
-                    f"later (waiting for it in a collective), so the group is stopped. Start a new group and "
-                    f"load_checkpoint to continue") from errors[first]
+                self._lost = (f"{self._describe(first)} failed in {what}: {errors[first]}; workers "
+                              f"{sorted(rank_of[r] for r in pending)} were still running {self.error_grace_s:.0f} s "
+                              f"later (waiting for it in a collective), so the group is stopped")
+                raise CriticWorkerError(f"{self._lost}. Start a new group and load_checkpoint to continue") \
+                    from errors[first]
             for ref in ready:
                 rank = rank_of[ref]
                 try:
                     results[rank] = ray.get(ref)
                 except RayActorError as err:
                     self._stop()
-                    raise CriticWorkerError(
-                        f"{self._describe(rank)} died during {what}: {_reason(err)}. The group is stopped (all its "
-                        f"workers killed); start a new group and load_checkpoint to continue") from None
+                    self._lost = (f"{self._describe(rank)} died during {what}: {_reason(err)}. The group is "
+                                  f"stopped (all its workers killed)")
+                    raise CriticWorkerError(f"{self._lost}; start a new group and load_checkpoint to continue") \
+                        from None
                 except RayTaskError as err:
                     errors[rank] = err.cause if err.cause is not None else err
                     if grace_end is None:
@@ -233,6 +234,11 @@ class RayCriticGroup:
                 f"groups: {outside}. Other actors on a bundle (the host's) hold the rest: lower resources_per_worker "
                 f"to what is free (fractions such as {{'CPU': 0.5}} share a bundle), free the bundles, or, if the "
                 f"workers are only slow to start, raise startup_timeout_s")
+
+    def lost(self) -> str | None:
+        """Why the group cannot answer any more (a worker died, or failed while the others waited for it
+        in a collective: the group was stopped), or None."""
+        return self._lost
 
     def _check_open(self) -> None:
         if self._closed:
