@@ -19,6 +19,7 @@ applies the journal again, so a retried update is applied once across a restart 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import threading
@@ -196,7 +197,7 @@ def serve_rank(args, config, tokens) -> int:
     from ..common.job.trainer import resolve_model_path
     from ..common.parallel.distributed import init_distributed, shutdown
     from .crash_points import CrashPoints
-    from .ranks import RankZeroCritic, close_command_group, command_group, follow, rank_processes
+    from .ranks import LeaderGone, RankZeroCritic, close_command_group, command_group, follow, rank_processes
 
     if LAUNCHER_PID_ENV in os.environ:
         exit_when_gone(int(os.environ[LAUNCHER_PID_ENV]))
@@ -214,7 +215,11 @@ def serve_rank(args, config, tokens) -> int:
         group = command_group(dist.world_size)
         processes = rank_processes(group)
         if not dist.is_main:
-            follow(engine, group, timeout, CrashPoints())
+            try:
+                follow(engine, group, timeout, CrashPoints())
+            except LeaderGone as err:  # one line: rank 0's own output says why it went
+                say_error(f"rank {dist.rank}: {err}")
+                exit_process(1)
             close_command_group(group)
             group = None  # its gloo threads end with the last reference
             engine.close()
@@ -271,74 +276,150 @@ class ServiceFailed(RuntimeError):
     """The service stopped because it could not go on (Batcher.fail's reason): the process exits non-zero."""
 
 
-def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
-    """The server over `critic` (RankZeroCritic or RayCriticGroup) until SIGTERM / Ctrl-C, or ServiceFailed."""
-    import functools
+@dataclasses.dataclass(slots=True)
+class Service:
+    """The service's parts over one critic (build_service)."""
 
+    server: object
+    """uvicorn.Server: run() serves until SIGTERM / SIGINT / should_exit."""
+    batcher: object
+    """serve.batcher.Batcher: the engine thread (start() before serving)."""
+    bodies: object
+    """serve.bodies.Bodies: close() after serving."""
+    updates: object
+    """serve.updates.Updates: start_fresh() or resume(...) before serving."""
+
+
+def service_arguments(**flags) -> argparse.Namespace:
+    """The service's flags (add_serve_arguments) at their defaults, with `flags` set (by their dest names)."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([])
+    unknown = sorted(set(flags) - set(vars(args)))
+    if unknown:
+        raise ValueError(f"not flags of the service: {unknown}")
+    vars(args).update(flags)
+    return args
+
+
+def request_limits(critic_config, args):
+    from .schema import Limits
+
+    text = critic_config.get_text_config()
+    return Limits(vocab_size=text.vocab_size, max_positions=getattr(text, "max_position_embeddings", None),
+                  max_rows=args.max_rows, max_tokens=max(args.token_budget, 65536))
+
+
+def build_service(critic, args, *, run_dir: str, keep_last: int, tokens: tuple[str, str | None], critic_config,
+                  limits=None, crash=None, say=print) -> Service:
+    """The door, the engine thread and the exactly-once updates over `critic` (RankZeroCritic,
+    RayCriticGroup, or anything with their surface), journaling into run_dir/serve and checkpointing into
+    run_dir/checkpoints. A failure of the service (Batcher.fail) tells the server to stop."""
     import uvicorn
 
-    from ..common.engine.config import to_yaml
-    from ..common.job.run_lock import run_dir_lock
-    from ..common.storage import checkpoints
     from .app import build_app
     from .batcher import Batcher, BatchingConfig
     from .bodies import Bodies
     from .crash_points import CrashPoints
     from .ledger import Journal
     from .metrics import Metrics
-    from .schema import Limits, update_request
     from .updates import Updates
+
+    crash = crash or CrashPoints("")
+    limits = limits or request_limits(critic_config, args)
+    metrics = Metrics()
+    journal = Journal(os.path.join(run_dir, JOURNAL), crash_mid_line=crash.mid_line if crash.armed else None)
+    updates = Updates(critic, journal=journal, checkpoint_root=os.path.join(run_dir, "checkpoints"),
+                      save_every=args.save_every, journal_limit_bytes=args.journal_limit_mb << 20, keep_last=keep_last,
+                      metrics=metrics, crash=crash, say=say)
+    service = None
+
+    def stop_serving(_reason: str) -> None:  # Batcher.fail, from any thread: uvicorn polls should_exit
+        service.server.should_exit = True
+
+    batcher = Batcher(critic, BatchingConfig(token_budget=args.token_budget, max_wait_s=args.max_wait_ms / 1000,
+                                             max_queue=args.max_queue, batching=not args.no_batching),
+                      updates=updates, metrics=metrics, on_fatal=stop_serving, say=say)
+    bodies = Bodies(limits=limits, critic_config=critic_config, max_body_bytes=args.max_body_bytes,
+                    max_parsing=args.max_parsing, max_waiting=args.max_queue)
+    app = build_app(batcher, bodies, user_token=tokens[0], admin_token=tokens[1], metrics=metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+    service = Service(server, batcher, bodies, updates)
+    return service
+
+
+def serve_in_thread(critic, run_dir: str, tokens: tuple[str, str | None], *, critic_config=None, limits=None,
+                    say=lambda *_: None, **flags):
+    """(service, url, stop) of the service over `critic` in a thread of this process, on a free loopback port
+    (flags: service_arguments'): a one-rank engine or a stand-in critic behind the real door, for tests and
+    tools/gpu-check. stop() ends the server and the engine thread."""
+    import time
+
+    args = service_arguments(**{"port": 0, **flags})
+    service = build_service(critic, args, run_dir=run_dir, keep_last=1, tokens=tokens, critic_config=critic_config,
+                            limits=limits, say=say)
+    service.batcher.start()
+    thread = threading.Thread(target=service.server.run, daemon=True)
+    thread.start()
+    while not service.server.started:  # a thread's start: it either starts or the caller hangs
+        assert thread.is_alive(), "the server thread ended"
+        time.sleep(0.01)
+
+    def stop():
+        service.server.should_exit = True
+        thread.join(60)
+        service.batcher.stop()
+        service.bodies.close()
+        service.updates.journal.close()
+    return service, f"http://127.0.0.1:{service.server.servers[0].sockets[0].getsockname()[1]}", stop
+
+
+def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
+    """The server over `critic` (RankZeroCritic or RayCriticGroup) until SIGTERM / Ctrl-C, or ServiceFailed."""
+    import functools
+
+    from ..common.engine.config import to_yaml
+    from ..common.job.run_lock import run_dir_lock
+    from ..common.storage import checkpoints
+    from .crash_points import CrashPoints
+    from .schema import update_request
 
     run_dir = os.path.abspath(config.trainer.run_dir)
     root = os.path.join(run_dir, "checkpoints")
-    text = critic_config.get_text_config()
-    limits = Limits(vocab_size=text.vocab_size, max_positions=getattr(text, "max_position_embeddings", None),
-                    max_rows=args.max_rows, max_tokens=max(args.token_budget, 65536))
-    metrics, crash = Metrics(), CrashPoints()
+    limits = request_limits(critic_config, args)
     with run_dir_lock(run_dir):
         os.makedirs(root, exist_ok=True)
         checkpoints.remove_staging_leftovers(root)  # an interrupted save's; complete checkpoints stay
         if not (args.resume and os.path.isfile(os.path.join(run_dir, "config.yaml"))):  # a run's own stays
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(config))
-        journal = Journal(os.path.join(run_dir, JOURNAL), crash_mid_line=crash.mid_line if crash.armed else None)
-        updates = Updates(critic, journal=journal, checkpoint_root=root, save_every=args.save_every,
-                          journal_limit_bytes=args.journal_limit_mb << 20, keep_last=config.trainer.keep_last,
-                          metrics=metrics, crash=crash, say=say)
+        service = build_service(critic, args, run_dir=run_dir, keep_last=config.trainer.keep_last, tokens=tokens,
+                                critic_config=critic_config, limits=limits, crash=CrashPoints(), say=say)
+        batcher, updates = service.batcher, service.updates
         if args.resume:
             updates.resume(functools.partial(update_request, limits=limits, critic_config=critic_config))
-        server = None
-
-        def stop_serving(_reason: str) -> None:  # Batcher.fail, from any thread: uvicorn polls should_exit
-            server.should_exit = True
-
-        batcher = Batcher(critic, BatchingConfig(token_budget=args.token_budget, max_wait_s=args.max_wait_ms / 1000,
-                                                 max_queue=args.max_queue, batching=not args.no_batching),
-                          updates=updates, metrics=metrics, on_fatal=stop_serving, say=say)
-        bodies = Bodies(limits=limits, critic_config=critic_config, max_body_bytes=args.max_body_bytes,
-                        max_parsing=args.max_parsing, max_waiting=args.max_queue)
-        app = build_app(batcher, bodies, user_token=tokens[0], admin_token=tokens[1], metrics=metrics)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               access_log=False, lifespan="off"))
+        else:
+            updates.start_fresh()
         batcher.start()
-        threading.Thread(target=_announce, args=(server, args.host, say), daemon=True).start()
+        threading.Thread(target=_announce, args=(service.server, args.host, say), daemon=True).start()
         # uvicorn raises the signal that stopped it again once it has, under the handlers it found: these
         # make that a no-op, so that the queued work, the save and a clean exit still happen.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            server.run()  # until SIGTERM / SIGINT / Batcher.fail: stops accepting, answers the requests in flight
+            service.server.run()  # until SIGTERM / SIGINT / Batcher.fail: stops accepting, answers those in flight
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            bodies.close()
+            service.bodies.close()
         if batcher.failure is None:
             say("stopping: finishing the queued work")
         batcher.stop()
-        journal.close()
         if batcher.failure is not None:
             raise ServiceFailed(f"the service stopped at version {batcher.version}: {batcher.failure}")
         if args.save_on_exit:
             updates.save(None)
+        updates.journal.close()
     say(f"stopped at version {batcher.version}")
 
 

@@ -38,6 +38,10 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 """The command group's timeout: how long a follower waits for the next request."""
 
 
+class LeaderGone(RuntimeError):
+    """A follower lost rank 0 (it was killed, or stopped without saying so)."""
+
+
 def command_group(world_size: int):
     """A gloo group over every rank for the commands (None in a world of one); made on every rank."""
     if world_size == 1:
@@ -102,7 +106,10 @@ def follow(engine, group, timeout_s: float, crash) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
-        command = broadcast_object(None, src=0, group=group)
+        try:
+            command = broadcast_object(None, src=0, group=group)
+        except RuntimeError as err:  # rank 0's connection closed: it is gone, and with it the service
+            raise LeaderGone(f"rank 0 is gone, so this rank stops ({err})") from None
         if command[0] == "stop":
             return
         crash.reach("follower-command")

@@ -168,7 +168,13 @@ class Updates:
         for name in sets[:-self.keep_last]:
             shutil.rmtree(os.path.join(self.checkpoint_root, name), ignore_errors=True)
 
-    # -- a restart --------------------------------------------------------------------------------------
+    # -- a start, a restart -------------------------------------------------------------------------------
+    def start_fresh(self) -> None:
+        """A new run's first checkpoint, before any update: the base every journal continues. A restart
+        then loads the state the first update met, whatever an engine's first save does to it (an FSDP2
+        engine's initialises its optimizer state: torch's get_state_dict takes a zero-gradient step)."""
+        self._checkpoint()
+
     def resume(self, parse) -> None:
         """The last checkpoint (weights, ledger), then the journal's updates past it, in order.
         parse(body) -> UpdateRequest: the schema's, so the digests are today's canonical ones."""

@@ -46,6 +46,8 @@ The checks, in priority order (gpu_check_cases.py; the limits are what "ok" mean
                            measured in this run, peak memory per parameter
   9 veomni                 the VeOmni engine built, one update, vs 1
   10 vision                a tiny Qwen2-VL critic with images, fsdp fp32 and bf16 on the device vs CPU
+  11 service               the critic service's door over a one-rank fsdp engine on the device: values
+                           and an update (and its retry, applied once) through HTTP vs check 1's engine
 Each check has a time estimate: one that no longer fits before the run's budget (--budget-s) is
 skipped with reason "time"; one that overruns its cap (3 x the estimate on the GPU, 10 x with --cpu,
 at least 30 s) is stopped and recorded as failed. Every
@@ -83,11 +85,20 @@ WHEELS = {
     "veomni==0.1.12": "not on the image (installed --no-deps, as tools/setup.sh does: requirements/veomni.txt)",
     "regex==2026.11.19": "transformers 5.22 checks regex>=2025.10.22 at import; the image's version is unread",
     "packaging==25.0": "veomni 0.1.12 needs packaging<26 (requirements/veomni.txt); the image's version is unread",
+    # check 11, the critic service: its `serve` extra (requirements/base.txt's pins) and what they need
+    "fastapi==0.115.12": "not on the image (the service's door)",
+    "starlette==0.46.2": "not on the image (fastapi's)",
+    "uvicorn==0.54.0": "not on the image (the service's server)",
+    "pydantic==2.14.4": "not on the image (fastapi's)",
+    "pydantic_core==2.50.5": "not on the image (pydantic's, cp312)",
+    "annotated-types==0.8.0": "not on the image (pydantic's)",
+    "typing-inspection==0.4.5": "not on the image (pydantic's)",
 }
 # The GPU image's packages that the carried wheels need (KINDS.md's pip list, 2026-11): a version, or
 # None where the image has the package but nobody has read its version.
 IMAGE = {"torch": "2.11.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2", "safetensors": "0.8.0",
-         "numpy": "2.5.2", "pyyaml": None, "tqdm": None, "typer": None}
+         "numpy": "2.5.2", "pyyaml": None, "tqdm": None, "typer": None, "anyio": None, "h11": None, "click": None,
+         "typing-extensions": None}
 PIP_PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                 "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
                 "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_17_x86_64",
@@ -124,13 +135,14 @@ def _wheel_requirements(path: str) -> list[str]:
 
 
 def _requirement_sources(wheels: list[str], pins: dict[str, str]) -> list[str]:
-    """For each requirement of the carried transformers and megatron-core: where the GPU run gets it.
+    """For each requirement of the carried transformers, megatron-core and the service's packages: where the
+    GPU run gets it.
     Raises SystemExit for one that nothing provides."""
     from packaging.requirements import Requirement
 
     lines, missing = [], []
     for path in wheels:
-        if _wheel_name(path) not in ("transformers", "megatron-core"):
+        if _wheel_name(path) not in ("transformers", "megatron-core", "fastapi", "starlette", "uvicorn", "pydantic"):
             continue  # veomni's declared dependencies are not what its engine path imports (veomni.txt)
         for text in _wheel_requirements(path):
             req = Requirement(text)

@@ -576,6 +576,42 @@ def vision(run: Run, n) -> None:
         run.close_engine(engine)
 
 
+# --- 11 --------------------------------------------------------------------------------------------
+
+def service(run: Run, n) -> None:
+    """The critic service's door (serve/app.py, the batcher, the exactly-once updates) over a one-rank fsdp
+    engine on the device: values through HTTP equal check 1's engine's own, and an update through HTTP
+    moves the critic as check 1's update did."""
+    from critic_adapters.serve.client import CriticClient
+    from critic_adapters.serve.launch import serve_in_thread
+    from critic_adapters.serve.ranks import RankZeroCritic, rank_processes
+
+    ref, batch, mask = run.needs_reference(), run.batch, run.batch.attention_mask
+    engine = run.build("fsdp")
+    token = "the-gpu-check-service-token"
+    _, url, stop = serve_in_thread(RankZeroCritic(engine, None, 600, rank_processes(None)),
+                                   os.path.join(run.workdir, "service"), (token, None),
+                                   critic_config=model_critic_config(ModelConfig(path=run.model_dir)))
+    try:
+        client = CriticClient(url, token, timeout_s=300, retries=0)
+        (values, version), seconds = _timed(lambda: client.values(batch.input_ids, batch.attention_mask))
+        n["values_http_s"] = round(seconds, 3)
+        n.require("version_0", version == 0, "the values name version 0")
+        n.at_most("values_max_diff", _maxdiff(torch.tensor(values), ref["values"].cpu(), mask), 1e-5)
+        answer = client.update(input_ids=batch.input_ids, attention_mask=mask, response_mask=batch.response_mask,
+                               old_values=batch.old_values, returns=batch.returns, request_id="gpu-check-1")
+        loss = ref["metrics"]["value_loss"]
+        n.at_most("loss_diff", abs(answer["metrics"]["value_loss"] - loss), 1e-5 * max(1.0, abs(loss)))
+        again = client.update(input_ids=batch.input_ids, attention_mask=mask, response_mask=batch.response_mask,
+                              old_values=batch.old_values, returns=batch.returns, request_id="gpu-check-1")
+        n.require("retry_once", again == answer and client.version() == 1, "a retried update is applied once")
+        after, version = client.values(batch.input_ids, batch.attention_mask)
+        n.at_most("values_after_max_diff", _maxdiff(torch.tensor(after), ref["after"].cpu(), mask), 1e-3)
+    finally:
+        stop()
+    run.close_engine(engine)
+
+
 # (name, check, (estimated seconds with --cpu, on the H200)), in priority order.
 CHECKS = [
     ("0_env", env, (15, 30)),
@@ -589,4 +625,5 @@ CHECKS = [
     ("8_scale_bf16", scale_bf16, (8, 120)),
     ("9_veomni", veomni, (8, 40)),
     ("10_vision", vision, (8, 30)),
+    ("11_service", service, (8, 30)),
 ]

@@ -28,18 +28,19 @@ def write_tokens(tmp) -> tuple[str, str]:
 class Server:
     """python -m critic_adapters.serve in a session of its own; its output collected by a thread."""
 
-    def __init__(self, tmp, *flags):
+    def __init__(self, tmp, *flags, env: dict | None = None):
+        self.tmp, self.flags = tmp, flags
         self.lines: list[str] = []
         self.ready = threading.Event()
         # Not a torchrun worker, whatever an in-process engine of another test left in the environment.
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                 "MASTER_PORT")}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                         "MASTER_ADDR", "MASTER_PORT")}
+        environment.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [sys.executable, "-m", "critic_adapters.serve", "--nproc", "2", "--port", "0",
                "--token-file", str(tmp / "user.token"), "--admin-token-file", str(tmp / "admin.token"),
                "--max-rows", "64", "--max-body-bytes", str(1 << 20), "--save-every", "0",
                f"trainer.run_dir={tmp / 'run'}", *flags]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
                                         cwd=tmp, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -64,6 +65,30 @@ class Server:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def rank_pid(self, rank: int) -> int:
+        """The pid of a torchrun worker of this server (its RANK)."""
+        import psutil
+
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank) and "critic_adapters.serve" in " ".join(child.cmdline()):
+                    return child.pid
+            except psutil.NoSuchProcess:
+                continue
+        raise AssertionError(f"no rank {rank} among the server's processes")
+
+    def kill(self) -> None:
+        """SIGKILL every process of the server (its session), and wait until they are gone."""
+        import psutil
+
+        workers = psutil.Process(self.process.pid).children(recursive=True) if self.process.poll() is None else []
+        try:
+            os.killpg(self.process.pid, 9)
+        except ProcessLookupError:  # it had ended
+            pass
+        self.wait()
+        psutil.wait_procs(workers, timeout=120)
+
 
 def call(url: str, path: str, body=None, token: str | None = None, raw: bytes | None = None, method=None):
     """(status, JSON body, headers) of one request, whatever its status."""
@@ -85,6 +110,17 @@ def random_rows(rng: random.Random, count: int, vocab: int = 1000) -> tuple[list
     ids = [[rng.randrange(vocab) for _ in range(n)] + [0] * (width - n) for n in lengths]
     mask = [[1] * n + [0] * (width - n) for n in lengths]
     return ids, mask
+
+
+def update_body(request_id: str, seed: int) -> dict:
+    """An update of 4 random rows (responses from position 2, random returns), as a client sends it."""
+    rng = random.Random(seed)
+    ids, mask = random_rows(rng, 4)
+    response = [[int(0 < t < sum(row) and t >= 2) for t in range(len(row))] for row in mask]
+    returns = [[rng.uniform(-1, 1) * r for r in row] for row in response]
+    zeros = [[0.0] * len(row) for row in mask]
+    return {"request_id": request_id, "input_ids": ids, "attention_mask": mask, "response_mask": response,
+            "old_values": zeros, "returns": returns}
 
 
 def reference_critic(model_dir: str):

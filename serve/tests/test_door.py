@@ -26,16 +26,16 @@ import pytest
 import torch
 
 from critic_adapters.common.tests.helpers import run_pytest
-from critic_adapters.serve.app import build_app
-from critic_adapters.serve.batcher import Batcher, BatchingConfig, Kind
-from critic_adapters.serve.bodies import Bodies
+from critic_adapters.serve.batcher import BatchingConfig, Kind
 from critic_adapters.serve.crash_points import CrashPoints
+from critic_adapters.serve.launch import serve_in_thread
 from critic_adapters.serve.ledger import Journal, JournalCorrupt
 from critic_adapters.serve.metrics import Metrics
 from critic_adapters.serve.schema import Limits, update_request
 from critic_adapters.serve.updates import Updates
 
 TOKEN = "user-token-of-the-door-test"
+LIMITS = Limits(vocab_size=100, max_positions=64)
 
 
 class HeldCritic:
@@ -64,43 +64,12 @@ class HeldCritic:
         return None
 
 
-def _serving(critic, tmp_path, limits: Limits, critic_config=None, *, save_every=0, admin_token=None, **batching):
-    """(url, batcher, stop) of a server in a thread of this process over `critic`; batcher.stopped_for holds
-    the reasons Batcher.fail gave the server to stop."""
-    import uvicorn
-
-    metrics = Metrics()
-    updates = Updates(critic, journal=Journal(str(tmp_path / "serve" / "journal.jsonl")),
-                      checkpoint_root=str(tmp_path / "ck"), save_every=save_every, journal_limit_bytes=1 << 30,
-                      keep_last=1, metrics=metrics, crash=CrashPoints(""), say=lambda *_: None)
-    stopped_for = []
-    batcher = Batcher(critic, BatchingConfig(**batching), updates=updates, metrics=metrics,
-                      on_fatal=stopped_for.append, say=lambda *_: None)
-    batcher.stopped_for = stopped_for
-    batcher.start()
-    bodies = Bodies(limits=limits, critic_config=critic_config, max_body_bytes=1 << 20, max_parsing=2, max_waiting=8)
-    app = build_app(batcher, bodies, user_token=TOKEN, admin_token=admin_token, metrics=metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:  # a thread's start, not a timing assumption: it either starts or the test hangs
-        assert thread.is_alive(), "the server thread ended"
-        time.sleep(0.01)
-
-    def stop():
-        server.should_exit = True
-        thread.join(60)
-        batcher.stop()
-        bodies.close()
-    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", batcher, stop
-
-
 @pytest.fixture
 def door(tmp_path):
     critic = HeldCritic()
-    url, batcher, stop = _serving(critic, tmp_path, Limits(vocab_size=100, max_positions=64), max_queue=2,
-                                  batching=False)
-    yield url, critic, batcher
+    service, url, stop = serve_in_thread(critic, str(tmp_path), (TOKEN, None), limits=LIMITS, max_queue=2,
+                                         no_batching=True, max_body_bytes=1 << 20, max_parsing=2)
+    yield url, critic, service
     critic.gate.set()
     stop()
 
@@ -126,7 +95,8 @@ def _queued(batcher, count: int) -> None:
 
 
 def test_a_full_queue_answers_429_with_retry_after(door):
-    url, critic, batcher = door
+    url, critic, service = door
+    batcher = service.batcher
     answers = []
     waiting = [threading.Thread(target=lambda: answers.append(_post(url, "/v1/values", VALUES))) for _ in range(3)]
     waiting[0].start()
@@ -160,7 +130,8 @@ def test_an_engine_failure_answers_500_with_its_message_and_applies_nothing(door
 
 
 def test_a_client_that_disconnects_costs_nothing(door):
-    url, critic, batcher = door
+    url, critic, service = door
+    batcher = service.batcher
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps(VALUES).encode()
     with socket.create_connection((host, int(port))) as raw:
@@ -175,7 +146,8 @@ def test_a_client_that_disconnects_costs_nothing(door):
 
 
 def test_a_stopping_server_refuses_new_work(door):
-    url, critic, batcher = door
+    url, critic, service = door
+    batcher = service.batcher
     critic.gate.set()
     batcher.stop()
     status, body, _ = _post(url, "/v1/values", VALUES)
@@ -211,9 +183,6 @@ class SavingCritic:
 
     def lost(self):
         return None
-
-
-LIMITS = Limits(vocab_size=100, max_positions=64)
 
 
 def _updates(tmp_path, critic, **settings) -> Updates:
@@ -357,8 +326,9 @@ def test_the_same_update_from_another_serialiser_is_a_retry(tmp_path):
 
 
 def test_values_queued_behind_an_offload_are_503_and_health_says_offloaded(door):
-    url, critic, batcher = door
-    batcher.config = BatchingConfig(max_queue=8, batching=False)
+    url, critic, service = door
+    batcher = service.batcher
+    batcher.config = BatchingConfig(max_queue=8, batching=False)  # room for the offload and one behind it
     answers = []
     held = threading.Thread(target=lambda: answers.append(_post(url, "/v1/values", VALUES)))
     held.start()
@@ -380,7 +350,8 @@ def test_values_queued_behind_an_offload_are_503_and_health_says_offloaded(door)
 
 
 def test_a_dead_engine_thread_answers_everyone_and_stops_the_service(door):
-    url, critic, batcher = door
+    url, critic, service = door
+    batcher = service.batcher
 
     class Died(BaseException):
         pass
@@ -391,7 +362,7 @@ def test_a_dead_engine_thread_answers_everyone_and_stops_the_service(door):
     critic.compute_values = die
     status, body, _ = _post(url, "/v1/values", VALUES)
     assert status == 503 and "the engine thread died: Died: a bug on the engine thread" in body["error"]["message"]
-    assert batcher.stopped_for and "engine thread died" in batcher.stopped_for[0]
+    assert service.server.should_exit, "the server was not told to stop"
     status, body, _ = _post(url, "/v1/health", None, method="GET")
     assert status == 503 and body["status"] == "failed" and "engine thread died" in body["reason"]
     assert _post(url, "/v1/update", UPDATE)[0] == 503
@@ -415,7 +386,7 @@ def test_one_error_shape_for_every_refusal(door):
 def test_admin_saves_never_replace_what_the_service_did_not_write(tmp_path):
     admin = "admin-token-of-the-door-test"
     critic = SavingCritic()
-    url, batcher, stop = _serving(critic, tmp_path, LIMITS, admin_token=admin)
+    _, url, stop = serve_in_thread(critic, str(tmp_path), (TOKEN, admin), limits=LIMITS)
     try:
         user_dir = tmp_path / "users-dir"
         user_dir.mkdir()
@@ -427,7 +398,7 @@ def test_admin_saves_never_replace_what_the_service_did_not_write(tmp_path):
         assert _post(url, "/v1/save", {"path": str(tmp_path / "a-file")}, token=admin)[0] == 409
         status, body, _ = _post(url, "/v1/save", {"path": "/proc/critic-checkpoint"}, token=admin)
         assert status == 422 and "cannot be written" in body["error"]["rule"], body
-        assert _post(url, "/v1/save", {"path": str(tmp_path / "ck" / "mine")}, token=admin)[0] == 409
+        assert _post(url, "/v1/save", {"path": str(tmp_path / "checkpoints" / "mine")}, token=admin)[0] == 409
         target = tmp_path / "exports" / "v0"
         for _ in range(2):  # a new directory, then over the checkpoint it wrote
             status, body, _ = _post(url, "/v1/save", {"path": str(target)}, token=admin)
@@ -451,8 +422,9 @@ def test_a_vision_critic_takes_its_images_as_json(tmp_path):
     critic_dir = save_vision_critic("qwen2_vl", str(tmp_path / "critic"))
     engine = build_engine("fsdp", EngineConfig(model=ModelConfig(path=critic_dir)), init_distributed())
     config = load_critic(critic_dir)[0].config
-    url, _, stop = _serving(RankZeroCritic(engine, None, timeout_s=600, processes=rank_processes(None)), tmp_path,
-                            Limits(vocab_size=config.get_text_config().vocab_size, max_positions=4096), config)
+    _, url, stop = serve_in_thread(RankZeroCritic(engine, None, timeout_s=600, processes=rank_processes(None)),
+                                   str(tmp_path), (TOKEN, None), critic_config=config,
+                                   limits=Limits(vocab_size=config.get_text_config().vocab_size, max_positions=4096))
     try:
         ids, mask, images = vision_batch(config, [[(1, 4, 4)], [], [(1, 4, 4), (1, 2, 4)]], seed=0)
         body = {"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
