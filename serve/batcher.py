@@ -128,7 +128,7 @@ class Batcher:
         if self.failure is None:
             lost = self.critic.lost()
             if lost is not None:
-                self.fail(f"{lost}: the critic's ranks cannot answer")
+                self.fail(lost)
         if self.failure is not None:
             return 503, {"status": "failed", "reason": self.failure, "version": self.version}
         if self.offloaded:
@@ -148,15 +148,15 @@ class Batcher:
         with self._cond:
             if self.failure is not None:
                 return
-            self.failure = reason
+            self.failure = f"{reason}; the service stops (restart it with --resume)"
             queued = list(self._queue)
             self._queue.clear()
             self.metrics.set(queue_depth=0)
         for work in queued:
-            work.resolve(None, ServiceBroken(reason))
-        self.say(f"error: the service stops: {reason}")
+            work.resolve(None, ServiceBroken(self.failure))
+        self.say(f"error: {self.failure}")
         if self.on_fatal is not None:
-            self.on_fatal(reason)
+            self.on_fatal(self.failure)
 
     # -- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:

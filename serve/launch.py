@@ -412,11 +412,12 @@ def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             service.bodies.close()
+        batcher.health()  # a rank lost while no request was in flight fails the service here
         if batcher.failure is None:
             say("stopping: finishing the queued work")
         batcher.stop()
         if batcher.failure is not None:
-            raise ServiceFailed(f"the service stopped at version {batcher.version}: {batcher.failure}")
+            raise ServiceFailed(f"stopped at version {batcher.version}: {batcher.failure}")
         if args.save_on_exit:
             updates.save(None)
         updates.journal.close()

@@ -98,9 +98,8 @@ class Updates:
         except Exception as err:  # noqa: BLE001 - any failure leaves the update unrecorded
             raise ServiceBroken(
                 f"update {request.request_id!r} was applied (version {self.version}) but neither the journal "
-                f"({journal_error}) nor a checkpoint ({type(err).__name__}: {err}) could record it, so the service "
-                f"stops: free the disk, then restart it with --resume (the update was not answered; its retry "
-                f"applies it once)") from err
+                f"({journal_error}) nor a checkpoint ({type(err).__name__}: {err}) could record it: it is not "
+                f"answered, and its retry after the restart applies it once (free the disk first)") from err
         self.say(f"warning: the journal could not be written ({journal_error}); update {request.request_id!r} is "
                  f"recorded in checkpoint {directory} instead")
         return False

@@ -10,7 +10,8 @@ from critic_adapters.common.tests.helpers import run_pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = ("wheels", "0_env", "1_fsdp_fp32_parity", "2_fsdp_bf16", "3_megatron_fp32", "4_megatron_bf16",
-          "5_offload_memory", "6_packed_attention", "7_fsdp_cpu_offload", "8_scale_bf16", "9_veomni", "10_vision")
+          "5_offload_memory", "6_packed_attention", "7_fsdp_cpu_offload", "8_scale_bf16", "9_veomni", "10_vision",
+          "11_service")
 
 
 def test_the_cpu_mode_runs_every_check(tmp_path):
