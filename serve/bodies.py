@@ -1,11 +1,13 @@
 """Request bodies read and turned into checked requests off the event loop, a bounded number at once.
 
-The event loop only moves bytes: /v1/health and every other request are answered while a body is
-parsed. A small body (up to INLINE_BYTES) is parsed on a worker thread; a larger one in a parsing
-process (spawned on the first such body, kept): Python's JSON parser and torch's list-to-tensor
-conversion hold the interpreter's lock for as long as they run (about 1.8 s for a 60 MB body, measured),
-which no thread can share. At most `max_parsing` bodies are read or parsed at once; up to `max_waiting`
-more wait for a turn, and more than that are answered 429 with Retry-After.
+/v1/health and every other request are answered while a body is parsed. A body of a rollout row or a
+few (up to ON_THE_LOOP_BYTES) is parsed on the event loop: a fraction of a millisecond, less than a
+hand-off to a thread costs (bench/serve.py: batched requests/s at 32 clients fell by a fifth with every
+body on a thread). A larger one (up to INLINE_BYTES) is parsed on a worker thread, and a larger one
+still in a parsing process (spawned on the first such body, kept): Python's JSON parser and torch's
+list-to-tensor conversion hold the interpreter's lock for as long as they run (about 1.8 s for a
+60 MB body, measured), which no thread can share. At most `max_parsing` bodies are read or parsed at
+once; up to `max_waiting` more wait for a turn, and more than that are answered 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import multiprocessing
 from . import schema
 from .batcher import Kind
 
+ON_THE_LOOP_BYTES = 16 << 10
+"""Bodies up to this size are parsed on the event loop (a row's values request is about 1 KiB)."""
 INLINE_BYTES = 1 << 20
 """Bodies up to this size are parsed on a thread (at most a few milliseconds under the lock)."""
 
@@ -102,6 +106,8 @@ class Bodies:
         return b"".join(chunks)
 
     async def _parse(self, kind: Kind, raw: bytes):
+        if len(raw) <= ON_THE_LOOP_BYTES:
+            return parse(kind, raw, self.limits, self.critic_config)
         loop = asyncio.get_running_loop()
         if len(raw) <= INLINE_BYTES:
             return await loop.run_in_executor(self._threads, parse, kind, raw, self.limits, self.critic_config)

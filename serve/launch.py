@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import signal
 import threading
@@ -401,6 +402,10 @@ def serve(critic, args, config, tokens, critic_config, *, say=print) -> None:
             updates.resume(functools.partial(update_request, limits=limits, critic_config=critic_config))
         else:
             updates.start_fresh()
+        # What the engine, the load and the first save made lives as long as the server: out of the
+        # collector's way, so that its full passes stay short while requests are answered.
+        gc.collect()
+        gc.freeze()
         batcher.start()
         threading.Thread(target=_announce, args=(service.server, args.host, say), daemon=True).start()
         # uvicorn raises the signal that stopped it again once it has, under the handlers it found: these
