@@ -102,7 +102,7 @@ def check_run_dir(config, *, resume: bool) -> str | None:
     from ..common.storage.atomic_dir import unwritable_reason
 
     run_dir = os.path.abspath(config.trainer.run_dir)
-    check_not_in_use(run_dir)
+    check_not_in_use(run_dir, wait_s=10)  # a restart right after a kill: the old ranks are still leaving
     latest = checkpoints.find_latest(os.path.join(run_dir, "checkpoints"))
     journal = os.path.join(run_dir, JOURNAL)
     has_journal = os.path.isfile(journal) and os.path.getsize(journal) > 0

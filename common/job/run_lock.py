@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 
 LOCK_FILE = "run.lock"
 
@@ -18,19 +19,26 @@ def _in_use(run_dir: str, path: str, holder: str) -> ValueError:
                       f"finish or stop it, or choose another trainer.run_dir")
 
 
-def check_not_in_use(run_dir: str) -> None:
+def check_not_in_use(run_dir: str, *, wait_s: float = 0.0) -> None:
     """The ValueError run_dir_lock would raise, without taking the lock or writing anything: a run
-    in progress is reported as such before any other check reads what it has written so far."""
+    in progress is reported as such before any other check reads what it has written so far.
+    wait_s: how long a held lock may take to be released first (the workers of a run whose launcher was
+    just killed leave within a second: common.job.lifeline)."""
     path = os.path.join(run_dir, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return
+    deadline = time.monotonic() + wait_s
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _in_use(run_dir, path, os.pread(fd, 64, 0).decode(errors="replace").strip()) from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise _in_use(run_dir, path, os.pread(fd, 64, 0).decode(errors="replace").strip()) from None
+                time.sleep(0.1)
     finally:
         os.close(fd)  # releases the probe's shared lock
 
