@@ -173,7 +173,10 @@ def test_a_vision_critics_images_go_with_their_rows_to_the_actors(ray_cluster, v
         for key in ("value_loss", "grad_norm", "explained_variance"):
             assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
         expected_after = engine.compute_values(ids, mask, images)
-        assert torch.allclose(after[real], expected_after[real], atol=1e-4), (after - expected_after)[real].abs().max()
+        # Relative, as the metrics are: values of up to ~8 after one step in another summation order (two
+        # ranks' reduction against one engine's) differed by 2e-4 on this machine's CPU.
+        assert torch.allclose(after[real], expected_after[real], rtol=1e-4, atol=1e-4), \
+            (after - expected_after)[real].abs().max()
         assert (after - values)[real].abs().max() > 1e-3  # the step moved the critic
     finally:
         engine.close()
