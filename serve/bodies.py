@@ -77,16 +77,13 @@ class Bodies:
 
     async def read(self, request, kind: Kind):
         """The checked request of `request`'s body: Busy (429) past max_waiting, RequestError (4xx)."""
-        if self._turns.locked():
-            if self._waiting >= self.max_waiting:
-                raise Busy(f"{self._waiting} requests wait for their bodies to be read (the server's --max-queue)")
-            self._waiting += 1
-            try:
-                await self._turns.acquire()
-            finally:
-                self._waiting -= 1
-        else:
+        if self._turns.locked() and self._waiting >= self.max_waiting:
+            raise Busy(f"{self._waiting} requests wait for their bodies to be read (the server's --max-queue)")
+        self._waiting += 1
+        try:
             await self._turns.acquire()
+        finally:
+            self._waiting -= 1
         try:
             raw = await self._receive(request)
             return await self._parse(kind, raw)

@@ -108,8 +108,7 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear, no backt
 def nesting_depth(raw: bytes) -> int:
     """How deep the brackets of a JSON text nest (outside strings), without parsing it: the parser
     recurses once a level, so a body of 200,000 '[' must be refused before it."""
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS) if b'"' in raw else \
-        raw.translate(None, _NOT_BRACKETS)
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     if not brackets:
         return 0
     steps = numpy.frombuffer(brackets, dtype=numpy.uint8)
