@@ -21,6 +21,8 @@ case "$command" in
     status=0
     (cd tests/consumer_workspace && bazel test //... --test_output=errors) || status=$?
     (cd tests/consumer_workspace && bazel shutdown) || true
+    # The whole suite's cost against its budget (docs/TESTS.md): the next feature pays for its tests.
+    if [ $# -eq 0 ]; then python tools/test_times.py --check || status=$?; fi
     exit $status
     ;;
   *)

@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 
+from ..common.parallel import launch_log
 from ..common.job.launcher import (LauncherSpec, _relaunch_under_torchrun, _without_nproc, configured,
                                    exit_process, fail, parse_command_line, say, say_error)
 
@@ -437,4 +438,5 @@ def _announce(server, host: str, say) -> None:
             return
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
+    launch_log.ready("serving")
     say(f"serving on http://{host}:{port}")

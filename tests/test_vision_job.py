@@ -46,15 +46,18 @@ def test_the_default_vision_job_reads_the_images_and_resumes_bit_identically_on_
 
 
 def test_with_the_pixels_zeroed_the_critic_learns_nothing(tmp_path):
-    """The control: the same rows, every pixel 0; the text carries nothing of the returns."""
-    result = run_launcher(FSDP, *ZEROED_JOB, f"trainer.run_dir={tmp_path / 'run'}")
+    """The control: the same rows, every pixel 0; the text carries nothing of the returns. Two epochs, as
+    the VeOmni job below, which reaches 0.98 in them with the pixels."""
+    result = run_launcher(FSDP, *ZEROED_JOB, "trainer.epochs=2", f"trainer.run_dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-4000:]
     assert max(held_out_ev(tmp_path / "run")) <= 0.3 and final_explained_variance(result.stdout) <= 0.3, \
         held_out_ev(tmp_path / "run")
 
 
 def test_the_default_vision_job_reads_the_images_on_veomni(tmp_path):
-    result = run_launcher(VEOMNI, *VISION_JOB, f"trainer.run_dir={tmp_path / 'run'}")
+    """Two epochs of it (measured 0.98 held out after them; one epoch alone, its schedule shorter: 0.76):
+    the images read, the critic learns."""
+    result = run_launcher(VEOMNI, *VISION_JOB, "trainer.epochs=2", f"trainer.run_dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-4000:]
     evals = held_out_ev(tmp_path / "run")
     assert evals[-1] >= 0.8 and final_explained_variance(result.stdout) >= 0.8, evals

@@ -26,6 +26,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from . import launch_log
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DistContext:
@@ -105,6 +107,7 @@ def init_distributed(timeout_s: float | None = None) -> DistContext:
             dist.init_process_group(process_group_backend(), store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(process_group_backend(), timeout=timeout)
+    launch_log.ready("world")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

@@ -118,10 +118,53 @@ def run_pytest(file: str, shard_key=None) -> None:
                                    shard_key))
         if os.environ.get("TEST_SHARD_STATUS_FILE"):  # tells Bazel this runner knows sharding
             open(os.environ["TEST_SHARD_STATUS_FILE"], "a").close()
+    accounting = _Accounting.under_bazel()
+    if accounting:
+        plugins.append(accounting)
     # importlib mode: the test file is imported by path, its imports go through the package name.
     status = pytest.main([file, "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "--durations=10", *sys.argv[1:]],
                          plugins=plugins)
-    sys.exit(0 if plugins and status == pytest.ExitCode.NO_TESTS_COLLECTED else status)
+    if accounting:
+        accounting.write()
+    sys.exit(0 if len(plugins) > bool(accounting) and status == pytest.ExitCode.NO_TESTS_COLLECTED else status)
+
+
+class _Accounting:
+    """pytest plugin, under Bazel: what this test target cost, for tools/test_times.py (docs/TESTS.md and
+    the suite's budget). Writes test_accounting.json into the target's undeclared outputs: each test's
+    outcome and seconds, and the CPU seconds of this process and every process it started and waited for
+    (torchrun ranks, launchers, servers); the launch log beside it (common.parallel.launch_log) lists the
+    processes themselves."""
+
+    @classmethod
+    def under_bazel(cls):
+        outputs = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
+        return cls(outputs) if outputs else None
+
+    def __init__(self, outputs: str):
+        from critic_adapters.common.parallel import launch_log
+
+        self.outputs = outputs
+        self.tests: dict = {}
+        os.environ[launch_log.VARIABLE] = os.path.join(outputs, "launches.jsonl")
+        os.environ[launch_log.VARIABLE + "_OWNER"] = str(os.getpid())
+
+    def pytest_runtest_logreport(self, report):
+        entry = self.tests.setdefault(report.nodeid.partition("::")[2] or report.nodeid,
+                                      {"outcome": "passed", "seconds": 0.0})
+        entry["seconds"] = round(entry["seconds"] + report.duration, 3)
+        if report.outcome != "passed":
+            entry["outcome"] = report.outcome
+
+    def write(self) -> None:
+        import json
+        import resource
+
+        used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        cpu = sum(usage.ru_utime + usage.ru_stime for usage in used)
+        with open(os.path.join(self.outputs, "test_accounting.json"), "w") as out:
+            json.dump({"target": os.environ.get("TEST_TARGET"), "shard": os.environ.get("TEST_SHARD_INDEX"),
+                       "cpu_seconds": round(cpu, 1), "tests": self.tests}, out, indent=1)
 
 
 class _BazelShard:

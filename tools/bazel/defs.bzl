@@ -5,8 +5,8 @@ file as `main`; test files import the package by name (critic_adapters.*), which
 provides (the workspace is named critic_adapters and its root holds __init__.py). `multiprocess` tests launch torchrun themselves: they are `large` and tagged so a suite can pick
 them. They are not exclusive: most of a multi-process test's wall time is interpreters starting and
 importing torch one after another, so two of them side by side (--local_test_jobs=2) fill each
-other's idle core. `exclusive = True` keeps a test alone (the Ray tests: one local Ray cluster at a
-time).
+other's idle core. `exclusive = True` keeps a test alone, after all the others (Bazel runs exclusive tests one by
+one at the end, the second core idle: only test_two_nodes, whose cluster another ray.init could join).
 """
 
 def critic_test(name, src = None, deps = [], data = [], size = "medium", multiprocess = False, exclusive = False,
