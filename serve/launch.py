@@ -174,10 +174,11 @@ def _torchrun(args, argv: list[str], spec: LauncherSpec, processes: int) -> int:
     with tempfile.TemporaryDirectory(prefix="critic-serve-") as tmp:
         status = os.path.join(tmp, "status")
         os.environ[STATUS_ENV] = status
-        code = _relaunch_under_torchrun(processes, [*_without_nproc(argv)], spec.module)
+        code = _relaunch_under_torchrun(processes, [*_without_nproc(argv)], spec.module, main)
         clean = os.path.isfile(status)
-    # SIGTERM / Ctrl-C reach torchrun's agent, which passes them on and ends with 128 + the signal even
-    # when rank 0 drained and every rank exited 0.
+    # SIGTERM / Ctrl-C are passed on to the ranks (by torchrun's agent, or by this process for forked
+    # ranks: common.job.forked_workers); the agent ends with 128 + the signal even when rank 0 drained
+    # and every rank exited 0.
     return 0 if clean and code in (0, 130, 143) else code
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -105,20 +106,27 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str) -> int:
+def _relaunch_under_torchrun(nproc: int, argv: list[str], module: str, main: Callable[[list[str]], int]) -> int:
     """Run this module's workers under torchrun's agent in this process (common.job.quiet_torchrun) and
-    wait; returns the failed worker's exit code. The workers watch this pid and exit when it is gone
-    (common.job.lifeline); Ctrl-C here reaches torchrun's agent, which passes it on to the workers once
+    wait; returns the failed worker's exit code. Spawned workers run `python -m module argv`; forked
+    ones (common.job.forked_workers, where sound) call `main(argv)`, what that module runs. The workers
+    watch this pid and exit when it is gone (common.job.lifeline); Ctrl-C here reaches the workers once
     (each runs in a session of its own), so that they stop and report where."""
+    from .forked_workers import start_method
     from .lifeline import LAUNCHER_PID_ENV
     from .quiet_torchrun import main as torchrun
 
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        forked = start_method(int(threads) if threads.isdigit() else 0) == "fork"
+    except ValueError as err:
+        say_error(str(err))
+        return 2
     os.environ.update(OMP_NUM_THREADS=threads, **{LAUNCHER_PID_ENV: str(os.getpid())})
     os.environ.setdefault("LOGLEVEL", "ERROR")  # torchrun's own warnings repeat what the workers say
     # By name, relative to wherever this package lives (vendored copies included).
     try:
-        return torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", module, *argv])
+        return torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", module, *argv], main if forked else None)
     except KeyboardInterrupt:  # before torchrun's agent took the signal over
         return INTERRUPTED
 
@@ -307,7 +315,8 @@ def launch(spec: LauncherSpec, argv: list[str] | None = None) -> int:
     if spec.run is not None:
         return spec.run(args, config)
     if plan.processes > 1:
-        return _relaunch_under_torchrun(plan.processes, [*_without_nproc(argv)], spec.module)
+        return _relaunch_under_torchrun(plan.processes, [*_without_nproc(argv)], spec.module,
+                                        functools.partial(launch, spec))
     return _run(config)
 
 

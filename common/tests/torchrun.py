@@ -28,13 +28,15 @@ def run_torchrun(nproc: int, module: str, *args: str, env: dict | None = None,
                  timeout: int = 600) -> subprocess.CompletedProcess:
     """MODULE ARGS on `nproc` ranks, output captured; assert every rank exited 0. torchrun's agent
     runs in this process (common.job.quiet_torchrun, as the launcher runs it: one interpreter fewer to
-    start); one rank needs no agent: `python -m MODULE`, a world of one (common.parallel.distributed)."""
+    start), and its ranks are forked from it where that is sound (common.job.forked_workers, as the
+    launcher's are: they find torch and transformers imported); one rank needs no agent: `python -m
+    MODULE`, a world of one (common.parallel.distributed)."""
     if nproc == 1:
         result = subprocess.run([sys.executable, "-m", module, *args], env=env or worker_env(), capture_output=True,
                                 text=True, timeout=timeout)
     else:
-        result = run_launcher_in_process("critic_adapters.common.job.quiet_torchrun", *torchrun_command(nproc, module, *args)[3:],
-                                         env=env)
+        result = _main_in_process(_torchrun_forking_where_sound, "torchrun", *torchrun_command(nproc, module, *args)[3:],
+                                  env=env)
     assert result.returncode == 0, f"torchrun {module} {args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
 
@@ -82,6 +84,17 @@ def run_launcher(launcher: str, *args: str, timeout: int = 600, env: dict | None
                           text=True, timeout=timeout)
 
 
+def _torchrun_forking_where_sound(args: list[str]) -> int:
+    """torchrun ARGS (`--standalone --nproc_per_node=N -m MODULE ...`) by common.job.quiet_torchrun, the
+    ranks forked from this process where common.job.forked_workers.start_method says so."""
+    from ..job import forked_workers, quiet_torchrun
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    fork = forked_workers.start_method(int(threads) if threads.isdigit() else 0) == "fork"
+    module = args[args.index("-m") + 1]
+    return quiet_torchrun.main(args, forked_workers.run_as_main(module) if fork else None)
+
+
 def run_launcher_in_process(launcher: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """LAUNCHER's main(ARGS) in this process: the exit code, stdout and stderr that `python -m
     LAUNCHER ARGS` gives, without the seconds a new interpreter spends importing torch. For launches
@@ -89,12 +102,17 @@ def run_launcher_in_process(launcher: str, *args: str, env: dict | None = None) 
     for --nproc N > 1 ones, whose training runs in torchrun workers: they get `env` (worker_env()'s
     environment by default), and their output (file descriptors 1 and 2, which they inherit) is captured with
     the launcher's own lines. The environment is restored after."""
-    import contextlib
     import importlib
+
+    return _main_in_process(importlib.import_module(launcher).main, launcher, *args, env=env)
+
+
+def _main_in_process(main, name: str, *args: str, env: dict | None) -> subprocess.CompletedProcess:
+    """main(ARGS) as run_launcher_in_process runs a launcher's: output captured, environment restored."""
+    import contextlib
     import tempfile
     from unittest import mock
 
-    main = importlib.import_module(launcher).main
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, mock.patch.dict(os.environ):
         env = env or worker_env()
         os.environ.clear()
@@ -118,7 +136,7 @@ def run_launcher_in_process(launcher: str, *args: str, env: dict | None = None) 
                 os.close(copy)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess([launcher, *args], code, out.read(), err.read())
+        return subprocess.CompletedProcess([name, *args], code, out.read(), err.read())
 
 
 def run_launcher_killed_after(launcher: str, step: int, *args: str, env: dict | None = None) -> list[str]:

@@ -66,12 +66,14 @@ class Server:
         return "".join(self.lines)
 
     def rank_pid(self, rank: int) -> int:
-        """The pid of a torchrun worker of this server (its RANK)."""
+        """The pid of a torchrun worker of this server (its RANK; a forked worker's name, its /proc
+        environment being the launcher's: common.job.launcher._forked_worker)."""
         import psutil
 
         for child in psutil.Process(self.process.pid).children(recursive=True):
             try:
-                if child.environ().get("RANK") == str(rank) and "critic_adapters.serve" in " ".join(child.cmdline()):
+                if "critic_adapters.serve" in " ".join(child.cmdline()) and (
+                        child.environ().get("RANK") == str(rank) or child.name() == f"rank-{rank}"):
                     return child.pid
             except psutil.NoSuchProcess:
                 continue

@@ -78,5 +78,29 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
+def test_workers_are_forked_only_where_a_forked_rank_is_sound(monkeypatch):
+    import torch
+
+    from critic_adapters.common.job.forked_workers import WORKER_START_ENV
+    from critic_adapters.common.job.forked_workers import start_method as worker_start_method
+
+    monkeypatch.delenv(WORKER_START_ENV, raising=False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker_start_method(1) == "fork"
+    assert worker_start_method(2) == "spawn"  # OpenMP's pool does not survive a fork
+    monkeypatch.setenv(WORKER_START_ENV, "spawn")
+    assert worker_start_method(1) == "spawn"
+    monkeypatch.setenv(WORKER_START_ENV, "forkserver")
+    with pytest.raises(ValueError, match="CRITIC_ADAPTERS_WORKER_START=forkserver: expected auto"):
+        worker_start_method(1)
+    monkeypatch.setenv(WORKER_START_ENV, "auto")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a rank would inherit the group
+    assert worker_start_method(1) == "spawn"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CUDA does not survive a fork
+    assert worker_start_method(1) == "spawn"
+
+
 if __name__ == "__main__":
     run_pytest(__file__)

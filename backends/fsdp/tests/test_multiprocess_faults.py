@@ -1,5 +1,6 @@
 """Several processes under faults: 3 and 4 ranks finish; a failure on one rank ends every rank with its
-message; workers die with a SIGKILLed launcher; Ctrl-C and a read-only run_dir give one line."""
+message; workers die with a SIGKILLed launcher; Ctrl-C (forked and spawned workers) and a read-only
+run_dir give one line."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from critic_adapters.backends.fsdp.tests.launch import launcher_env, run_launcher, torchrun_command
+from critic_adapters.common.job.forked_workers import WORKER_START_ENV
 from critic_adapters.common.tests.helpers import read_only_dir, run_pytest
 
 # 20 rollouts: 18 train in mini-batches of 8, 8, 2 and 2 held out, so with 3 or 4 ranks some ranks
@@ -73,8 +75,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(run_dir, *args):
-    env = dict(launcher_env(), PYTHONUNBUFFERED="1")
+def _name(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def _start(run_dir, *args, env: dict | None = None):
+    env = dict(launcher_env(), PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "critic_adapters.backends.fsdp.train", "--nproc", "2", f"trainer.run_dir={run_dir}",
                              *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -107,9 +114,14 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
-    process = _start(tmp_path, *SHORT)
+@pytest.mark.parametrize("start", ["auto", "spawn"])  # auto: forked from the launcher on this CPU machine
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, start):
+    # Forked, the launcher passes the signal on itself (common.job.forked_workers.torchrun_main); spawned,
+    # torchrun's agent does (the path a GPU run takes).
+    process = _start(tmp_path, *SHORT, env={WORKER_START_ENV: start})
     _wait_for(process, "/checkpoints/step_000004")
+    names = sorted(_name(pid) for pid in _descendants(process.pid))
+    assert (names == ["rank-0", "rank-1"]) == (start == "auto"), names
     os.kill(process.pid, signal.SIGINT)  # what a terminal sends the launcher (torchrun has its own session)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr[-3000:]
