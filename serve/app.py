@@ -9,6 +9,7 @@ each outcome into a status.
   GET  /v1/version  -> {version};  GET /v1/health (no token) -> 200 while it answers values, else 503
   GET  /metrics     Prometheus text
   admin: POST /v1/save {path?} | /v1/load {path} | /v1/offload | /v1/onload
+  AReaL's gateway routes (its PPOCriticControllerV2 drives the critic): serve/areal.py, docs/AREAL.md
 
 Statuses: 400 not JSON (or nested too deep); 401 no or wrong token; 403 the user token on an admin
 route; 404 no such route, 405 not its method; 409 a request_id reused for a different update, or a save
@@ -28,14 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from . import schema
+from . import areal, schema
 from .batcher import Batcher, Kind, Offloaded, QueueFull, Stopped
 from .bodies import Bodies, Busy, ParserGone
 from .ledger import Conflict
 from .updates import ServiceBroken
 
 ROUTES = ("/v1/values", "/v1/update", "/v1/version", "/v1/health", "/metrics", "/v1/save", "/v1/load",
-          "/v1/offload", "/v1/onload")
+          "/v1/offload", "/v1/onload", *areal.ROUTES)
 RETRY_AFTER_S = 1
 
 
@@ -166,7 +167,8 @@ def build_app(batcher: Batcher, bodies: Bodies, *, user_token: str, admin_token:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
         if err.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; the routes are {', '.join(ROUTES)}"
+            message = (f"no route {request.method} {request.url.path}; the routes are {', '.join(ROUTES[:9])} and "
+                       f"AReaL's ({', '.join(areal.ROUTES)})")
         elif err.status_code == 405:
             message = f"{request.url.path} does not take {request.method}; it takes {err.headers.get('Allow')}"
         else:
@@ -224,4 +226,6 @@ def build_app(batcher: Batcher, bodies: Bodies, *, user_token: str, admin_token:
     for route, kind in (("/v1/save", Kind.SAVE), ("/v1/load", Kind.LOAD), ("/v1/offload", Kind.OFFLOAD),
                         ("/v1/onload", Kind.ONLOAD)):
         admin_route(route, kind)
+    areal.add_routes(app, authorise=authorise, body_of=body_of, engine=engine, not_offloaded=not_offloaded,
+                     batcher=batcher, kinds=Kind)
     return app

@@ -38,6 +38,10 @@ class Kind(enum.Enum):
     LOAD = "load"
     OFFLOAD = "offload"
     ONLOAD = "onload"
+    SET_VERSION = "set_version"
+    # Bodies of AReaL's routes (serve/areal.py), read into VALUES and UPDATE work.
+    AREAL_VALUES = "areal_values"
+    AREAL_UPDATE = "areal_update"
 
 
 NEEDS_THE_CRITIC_ON = frozenset({Kind.VALUES, Kind.UPDATE})
@@ -89,7 +93,7 @@ class Batcher:
         self.failure: str | None = None
         """Why the service cannot go on (None while it can)."""
         self._handlers = {Kind.UPDATE: updates.update, Kind.SAVE: updates.save, Kind.LOAD: updates.load,
-                          Kind.OFFLOAD: self._offload, Kind.ONLOAD: self._onload}
+                          Kind.OFFLOAD: self._offload, Kind.ONLOAD: self._onload, Kind.SET_VERSION: updates.set_version}
 
     @property
     def version(self) -> int:
@@ -226,7 +230,8 @@ class Batcher:
         input_ids = torch.cat([_right_pad(r.input_ids, width) for r in requests])
         attention_mask = torch.cat([_right_pad(r.attention_mask, width) for r in requests])
         images = requests[0].multi_modal_inputs if len(requests) == 1 else None
-        values, version = self.critic.compute_values(input_ids, attention_mask, images, return_version=True)
+        values = self.critic.compute_values(input_ids, attention_mask, images)
+        version = self.updates.version  # the service's: an update of several steps is one version
         self.metrics.engine_call(rows=input_ids.shape[0], tokens=int(attention_mask.sum()), requests=len(group))
         out, start = [], 0
         for request in requests:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
 
 from . import schema
 from .batcher import Kind
@@ -38,6 +39,10 @@ def parse(kind: Kind, raw: bytes, limits: schema.Limits, critic_config):
     if kind in (Kind.SAVE, Kind.OFFLOAD, Kind.ONLOAD) and not raw.strip():
         return None
     body = schema.parse_json(raw)
+    if kind in (Kind.AREAL_VALUES, Kind.AREAL_UPDATE):
+        from . import areal
+
+        return (areal.values_request if kind is Kind.AREAL_VALUES else areal.update_request)(body, limits)
     if kind is Kind.VALUES:
         return schema.values_request(body, limits, critic_config)
     if kind is Kind.UPDATE:
@@ -53,10 +58,13 @@ def parse(kind: Kind, raw: bytes, limits: schema.Limits, critic_config):
 _PROCESS_ARGS: tuple = ()
 
 
-def _start_process(limits, critic_config) -> None:
+def _start_process(limits, critic_config, server_pid: int) -> None:
     global _PROCESS_ARGS
     import torch
 
+    from ..common.job.lifeline import exit_when_gone
+
+    exit_when_gone(server_pid)  # a server killed outright (SIGKILL, a crash) would leave it behind for good
     torch.set_num_threads(1)
     _PROCESS_ARGS = (limits, critic_config)
 
@@ -111,7 +119,7 @@ class Bodies:
         if self._process is None:
             self._process = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_process,
-                initargs=(self.limits, self.critic_config))
+                initargs=(self.limits, self.critic_config, os.getpid()))
         process = self._process
         try:
             return await asyncio.wrap_future(process.submit(_parse_in_process, kind, raw))

@@ -64,6 +64,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                             "more than that get 429")
     group.add_argument("--save-on-exit", action="store_true", help="checkpoint after the last request on SIGTERM")
     group.add_argument("--no-batching", action="store_true", help="one engine call per values request (a baseline)")
+    group.add_argument("--areal-minibatches", type=int, default=4,
+                       help="optimizer steps of one AReaL update request, one per mini-batch of its rows: AReaL's "
+                            "critic.ppo_n_minibatches (default 4, AReaL's default; docs/AREAL.md)")
     group.add_argument("--ray", action="store_true", help="the engine's ranks as Ray actors in this process's group")
     group.add_argument("--address", default=None, help="with --ray: a Ray cluster to join (default: a local one)")
 
@@ -123,7 +126,8 @@ def _check(args, config) -> int:
     """Every check before a process starts; returns the process count."""
     from ..common.engine.registry import check_engine_config, check_installed, check_layout
 
-    for flag in ("token_budget", "max_queue", "max_body_bytes", "max_rows", "journal_limit_mb", "max_parsing"):
+    for flag in ("token_budget", "max_queue", "max_body_bytes", "max_rows", "journal_limit_mb", "max_parsing",
+                 "areal_minibatches"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if args.max_wait_ms < 0 or args.save_every < 0:
@@ -310,7 +314,8 @@ def request_limits(critic_config, args):
 
     text = critic_config.get_text_config()
     return Limits(vocab_size=text.vocab_size, max_positions=getattr(text, "max_position_embeddings", None),
-                  max_rows=args.max_rows, max_tokens=max(args.token_budget, 65536))
+                  max_rows=args.max_rows, max_tokens=max(args.token_budget, 65536),
+                  areal_minibatches=args.areal_minibatches)
 
 
 def build_service(critic, args, *, run_dir: str, keep_last: int, tokens: tuple[str, str | None], critic_config,

@@ -46,6 +46,8 @@ class Limits:
     max_rows: int = 256
     max_tokens: int = 65536
     """Rows x padded length of one request."""
+    areal_minibatches: int = 4
+    """Optimizer steps of one AReaL update request (--areal-minibatches: AReaL's ppo_n_minibatches; serve/areal.py)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,10 +73,15 @@ class UpdateRequest:
     returns: torch.Tensor
     value_mask: torch.Tensor | None = None
     multi_modal_inputs: tuple | None = None
+    minibatches: int = 1
+    """Optimizer steps the update takes, one per mini-batch of its rows (serve/updates.py's
+    minibatch_groups: AReaL's grouping); one update, one version, whatever the count."""
 
     def to_json(self) -> dict:
         """The body this request came from (what the journal keeps to apply it again)."""
         out = {"request_id": self.request_id}
+        if self.minibatches != 1:
+            out["minibatches"] = self.minibatches
         for name in _UPDATE_FIELDS:
             tensor = getattr(self, name)
             if tensor is not None:
@@ -215,7 +222,7 @@ def _unknown(body: dict, allowed: tuple[str, ...]) -> None:
         raise RequestError(unknown[0], f"unknown field; the route takes {', '.join(allowed)}")
 
 
-def _refusing_the_unexpected(parse):
+def refusing_the_unexpected(parse):
     """A body that breaks a check this module did not foresee is still the caller's: a 422, never a 500."""
     import functools
 
@@ -230,16 +237,16 @@ def _refusing_the_unexpected(parse):
     return checked
 
 
-@_refusing_the_unexpected
+@refusing_the_unexpected
 def values_request(body: dict, limits: Limits, critic_config=None) -> ValuesRequest:
     _unknown(body, ("input_ids", "attention_mask", "multi_modal_inputs"))
     input_ids, attention_mask = _tokens(body, limits)
     return ValuesRequest(input_ids, attention_mask, _images(body, input_ids, attention_mask, critic_config))
 
 
-@_refusing_the_unexpected
+@refusing_the_unexpected
 def update_request(body: dict, limits: Limits, critic_config=None) -> UpdateRequest:
-    _unknown(body, ("request_id", *_UPDATE_FIELDS, "multi_modal_inputs"))
+    _unknown(body, ("request_id", *_UPDATE_FIELDS, "multi_modal_inputs", "minibatches"))
     request_id = body.get("request_id")
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID:
         raise RequestError("request_id", f"required: a non-empty string of at most {MAX_REQUEST_ID} characters, "
@@ -260,17 +267,31 @@ def update_request(body: dict, limits: Limits, critic_config=None) -> UpdateRequ
     old_values = _tensor(_rows(body, "old_values", shape=shape), "old_values", torch.float32)
     returns = _tensor(_rows(body, "returns", shape=shape), "returns", torch.float32)
     images = _images(body, input_ids, attention_mask, critic_config)
+    minibatches = body.get("minibatches", 1)
+    if not isinstance(minibatches, int) or isinstance(minibatches, bool) or not 1 <= minibatches <= shape[0]:
+        raise RequestError("minibatches", f"an integer from 1 to the {shape[0]} rows: the update's optimizer steps, "
+                                          f"one per mini-batch of its rows")
+    return make_update(request_id, input_ids, attention_mask, response_mask, old_values, returns, value_mask, images,
+                       minibatches)
+
+
+def make_update(request_id: str, input_ids, attention_mask, response_mask, old_values, returns, value_mask=None,
+                images=None, minibatches: int = 1) -> UpdateRequest:
+    """An UpdateRequest of checked tensors, with the digest of its meaning (update_digest)."""
     digest = update_digest(input_ids, attention_mask, response_mask, old_values, returns,
-                           response_mask if value_mask is None else value_mask, images=images)
+                           response_mask if value_mask is None else value_mask, images=images, minibatches=minibatches)
     return UpdateRequest(request_id, digest, input_ids, attention_mask, response_mask, old_values, returns,
-                         value_mask, images)
+                         value_mask, images, minibatches)
 
 
-def update_digest(*tensors: torch.Tensor, images: tuple | None = None) -> str:
+def update_digest(*tensors: torch.Tensor, images: tuple | None = None, minibatches: int = 1) -> str:
     """sha256 of an update by its meaning: each field's shape, dtype and values as the engine takes them
     (so 1 and 1.0, 0.1 written in any number of digits, an absent value_mask and one equal to
-    response_mask, are the same update), not by the bytes a client's serialiser wrote."""
+    response_mask, are the same update), not by the bytes a client's serialiser wrote; its step count
+    when it takes more than one."""
     digest = hashlib.sha256()
+    if minibatches != 1:
+        digest.update(f"minibatches={minibatches};".encode())
 
     def add(tensor: torch.Tensor) -> None:
         digest.update(f"{tuple(tensor.shape)}{tensor.dtype};".encode())

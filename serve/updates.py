@@ -24,6 +24,8 @@ import shutil
 import tempfile
 import time
 
+import numpy
+
 from ..common.engine import RolloutBatch
 from ..common.storage import checkpoints
 from ..common.storage.atomic_dir import unwritable_reason
@@ -47,6 +49,8 @@ class Updates:
         self.metrics, self.crash, self.say = metrics, crash, say
         self.ledger = Ledger()
         self.version = critic.version
+        self.last_metrics: dict = {}
+        """The last update's metrics (AReaL's export_stats)."""
         self.position: dict = {}
         """The extra state of the checkpoint loaded (a training run's data position), kept in the saves."""
         self._unsaved = 0  # updates since the last checkpoint of the run
@@ -76,13 +80,32 @@ class Updates:
         return answer, False
 
     def _apply(self, request: UpdateRequest) -> dict:
+        """The update's optimizer steps (one per mini-batch: minibatch_groups), then one version more.
+        Its metrics are the steps' means."""
         batch = RolloutBatch(request.input_ids, request.attention_mask, request.response_mask, request.old_values,
                              request.returns, request.value_mask, request.multi_modal_inputs)
-        metrics = self.critic.update(batch)
-        self.version = self.critic.version
+        if request.minibatches == 1:
+            steps = [self.critic.update(batch)]
+        else:
+            lengths = request.attention_mask.sum(1).tolist()
+            steps = [self.critic.update(batch.select(rows)) for rows in minibatch_groups(lengths, request.minibatches)]
+        self.version += 1
         self.metrics.set(version=self.version)
+        metrics = {name: sum(float(step[name]) for step in steps) / len(steps) for name in steps[0]}
+        self.last_metrics = {name: finite_or_none(value) for name, value in metrics.items()}
         return {"request_id": request.request_id, "version": self.version,
-                "metrics": {name: finite_or_none(float(value)) for name, value in metrics.items()}}
+                "metrics": {name: finite_or_none(value) for name, value in metrics.items()}}
+
+    def set_version(self, version: int) -> None:
+        """AReaL's set_version: the version from now on, never lower than it is (ValueError); a higher one
+        is made durable at once by a checkpoint under it (the journal's versions continue from it)."""
+        if version < self.version:
+            raise RequestError("args[0]", f"version {version} is lower than the critic's {self.version}: versions "
+                                          f"only go forward", 409)
+        if version > self.version:
+            self.version = version
+            self.metrics.set(version=self.version)
+            self._checkpoint()
 
     def _journal(self, request: UpdateRequest, answer: dict) -> bool:
         """The update on disk before its answer: in the journal (True), or else in a checkpoint (False), or
@@ -136,12 +159,13 @@ class Updates:
         return {"path": directory, "version": self.version}
 
     def restore(self, path: str) -> None:
-        """The weights, version and ledger of a checkpoint (a training run's: its data position kept)."""
+        """The weights, version and ledger of a checkpoint (a training run's: its data position kept). The
+        version is the service's (global_step: its updates and set_version's), else the critic's steps."""
         state = dict(self.critic.load_checkpoint(path))
         self.ledger = Ledger(state.pop(LEDGER_KEY, None))
         state.pop(checkpoints.EXTRA_TENSORS, None)
         self.position = state
-        self.version = self.critic.version
+        self.version = int(state.get("global_step", self.critic.version))
         self.metrics.set(version=self.version)
 
     def load(self, path: str) -> dict:
@@ -197,6 +221,28 @@ class Updates:
         self._unsaved = applied
         if applied:
             self.say(f"applied the journal's {applied} update(s) after the checkpoint again: version {self.version}")
+
+
+def minibatch_groups(lengths: list[int], groups: int) -> list[list[int]]:
+    """The rows of each of AReaL's `groups` mini-batches (areal.utils.data.split_padded_tensor_dict_into_mb_list
+    with MicroBatchSpec(n_mbs=groups), its first-fit-decreasing allocation without a token cap): rows by
+    length, longest first; the first `groups` open a group each, every later row joins the group with
+    the fewest rows (ties: the fewest tokens, then the earliest); each group's rows in order, the
+    groups by their first row."""
+    order = numpy.argsort(-numpy.asarray(lengths))  # numpy's sort, as AReaL's: the same order among equal lengths
+    members: list[list[int]] = []
+    totals: list[tuple[float, int]] = []  # (tokens, group) kept sorted, as AReaL keeps them
+    for row in order.tolist():
+        if len(members) < groups:
+            totals.append((float(lengths[row]), len(members)))
+            members.append([row])
+        else:
+            pick = min(range(len(totals)), key=lambda i: (len(members[totals[i][1]]), i))
+            tokens, group = totals.pop(pick)
+            totals.append((tokens + lengths[row], group))
+            members[group].append(row)
+        totals.sort()
+    return sorted(sorted(group) for group in members)
 
 
 def check_save_path(path: str, checkpoint_root: str) -> str:

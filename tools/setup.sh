@@ -6,7 +6,8 @@
 #      Ray integration among them), and this checkout itself as the package `critic_adapters`
 #      (editable: pip install -e .);
 #   3. the side trl versions for the trl matrix test, in .overlays/ (never in the venv);
-#   4. verl 0.9.1 with transformers 5.10.4 for the verl engine tests, in .overlays/verl-0.9.1.
+#   4. verl 0.9.1 with transformers 5.10.4 for the verl engine tests, in .overlays/verl-0.9.1;
+#   5. areal 1.0.4's files (no dependencies) for the AReaL protocol tests, in .overlays/areal-1.0.4.
 # Re-running does nothing when nothing changed (a stamp records what .venv was built from).
 #
 # Environment:
@@ -95,5 +96,17 @@ if [ "$(cat "$target/.complete" 2>/dev/null)" != "$verl_stamp" ]; then
   PYTHONPATH="$PWD/$target" .venv/bin/python -c "import verl, tensordict, transformers; assert transformers.__version__ == '5.10.4'" \
     >/dev/null 2>&1 || { log "the verl overlay does not import"; exit 1; }
   echo "$verl_stamp" > "$target/.complete"
+fi
+# --- 5. AReaL's own client code (for serve/tests/test_areal.py): its files only ------------------------
+# areal pins torch < 2.11 and transformers <= 5.3, so it is never installed as a package: the tests load
+# the few modules its critic client runs (serve/tests/areal_client.py) from these files.
+target=.overlays/areal-1.0.4
+if [ ! -f "$target/.complete" ]; then
+  log "fetching areal 1.0.4's files into $target (no dependencies, never imported as a package)"
+  rm -rf "$target"
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target "$target" areal==1.0.4 \
+    2>&1 | grep -v "^WARNING: Location" || true
+  [ -f "$target/areal/infra/rpc/serialization.py" ] || { log "areal 1.0.4 did not download"; exit 1; }
+  touch "$target/.complete"
 fi
 log "ready: .venv ($(.venv/bin/python -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"

@@ -49,7 +49,7 @@ class HeldCritic:
         self.calls += 1
         self.entered.release()
         assert self.gate.wait(300), "the test never released the critic"
-        return input_ids.float(), self.version
+        return (input_ids.float(), self.version) if return_version else input_ids.float()
 
     def update(self, batch):
         if self.failure is not None:
@@ -439,6 +439,44 @@ def test_a_vision_critic_takes_its_images_as_json(tmp_path):
     finally:
         stop()
         engine.close()
+
+
+PARSER_HOST = """
+import asyncio, sys
+from critic_adapters.serve.bodies import Bodies
+from critic_adapters.serve.batcher import Kind
+from critic_adapters.serve.schema import Limits
+bodies = Bodies(limits=Limits(vocab_size=100, max_positions=None, max_rows=4096, max_tokens=1 << 24),
+                critic_config=None, max_body_bytes=1 << 26, max_parsing=1, max_waiting=1)
+row = [1] * 2000
+raw = ('{"input_ids": %s, "attention_mask": %s}' % ([row] * 400, [row] * 400)).replace(" ", "").encode()
+assert len(raw) > 1 << 20  # parsed in the parsing process
+asyncio.run(bodies._parse(Kind.VALUES, raw))
+print(bodies._process._processes and list(bodies._process._processes)[0], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_parsing_process_leaves_with_a_killed_server(tmp_path):
+    # A server killed outright (SIGKILL, a crash point) cannot shut its parsing process down: the
+    # process watches the server's pid (common.job.lifeline) and leaves on its own.
+    import signal
+    import subprocess
+    import sys
+
+    from critic_adapters.common.tests.torchrun import worker_env
+
+    host = subprocess.Popen([sys.executable, "-c", PARSER_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=worker_env())
+    parser = int(host.stdout.readline())
+    assert os.path.exists(f"/proc/{parser}")
+    os.kill(host.pid, signal.SIGKILL)
+    host.wait(60)
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{parser}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gone = not os.path.exists(f"/proc/{parser}") or open(f"/proc/{parser}/stat").read().split(")")[1].split()[0] == "Z"
+    assert gone, f"the parsing process {parser} outlived its server by 60 s"
 
 
 if __name__ == "__main__":
