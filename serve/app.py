@@ -4,7 +4,7 @@ each outcome into a status.
 
   POST /v1/values   {input_ids, attention_mask[, multi_modal_inputs]} -> {values, version}
   POST /v1/update   {request_id, input_ids, attention_mask, response_mask, old_values, returns[,
-                     value_mask, multi_modal_inputs]} -> {request_id, version, metrics} (a retry: the
+                     value_mask, multi_modal_inputs, minibatches]} -> {request_id, version, metrics} (a retry: the
                      first answer again, with the header X-Critic-Replayed: true)
   GET  /v1/version  -> {version};  GET /v1/health (no token) -> 200 while it answers values, else 503
   GET  /metrics     Prometheus text

@@ -30,8 +30,6 @@ from . import areal_wire
 from .schema import (Limits, RequestError, UpdateRequest, ValuesRequest, make_update, refusing_the_unexpected,
                      update_digest)
 
-DROPPED = ("rewards", "tot_rewards", "kl_rewards", "versions")
-"""What AReaL's critic drops from an update batch before training (critic.py's _ppo_update)."""
 UPDATE_KEYS = ("input_ids", "attention_mask", "values", "returns", "loss_mask")
 
 
@@ -47,17 +45,18 @@ def positions_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
 
 
 def _trajectories(body, route: str) -> list[dict]:
-    """The trajectory dicts of a compute_values / update call: args [list] or kwargs {"data": list}."""
+    """The trajectory dicts of a compute_values / update call (args [list], or kwargs {"data": list}), the
+    whole envelope decoded first: a payload this service refuses is refused wherever it sits."""
     if not isinstance(body, dict) or set(body) - {"args", "kwargs"}:
         raise RequestError("body", f"{route} takes AReaL's envelope {{\"args\": [...], \"kwargs\": {{...}}}}", 400)
     args, kwargs = body.get("args") or [], body.get("kwargs") or {}
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise RequestError("body", "args must be a list and kwargs an object")
-    batch = args[0] if args else kwargs.get("data", kwargs.get("input_"))
-    field = "args[0]" if args else "kwargs.data"
+    args, kwargs = areal_wire.decode(args, "args"), areal_wire.decode(kwargs, "kwargs")
+    batch, field = (args[0], "args[0]") if args else (kwargs.get("data"), "kwargs.data")
     if not isinstance(batch, list) or not batch or not all(isinstance(item, dict) for item in batch):
         raise RequestError(field, "a non-empty list of trajectory dicts (AReaL's list[dict[str, Tensor]]) is expected")
-    return areal_wire.decode(batch, field)
+    return batch
 
 
 def _rows(trajectory: dict, key: str, field: str, shape=None) -> torch.Tensor:

@@ -80,7 +80,7 @@ class Metrics:
                         f"# TYPE {name} histogram", *histogram.lines(name, "")]
             out += ["# HELP critic_queue_depth Requests waiting for the engine.", "# TYPE critic_queue_depth gauge",
                     f"critic_queue_depth {self.queue_depth}",
-                    "# HELP critic_version Optimizer steps the critic has taken.", "# TYPE critic_version gauge",
+                    "# HELP critic_version The service's version: updates applied (one per update request).", "# TYPE critic_version gauge",
                     f"critic_version {self.version}",
                     "# HELP critic_update_retries_total Updates answered from the ledger (a retry, not applied again).",
                     "# TYPE critic_update_retries_total counter", f"critic_update_retries_total {self.replayed_updates}",

@@ -115,7 +115,7 @@ def torchrun_main(worker_main: Callable[[list[str]], int]) -> Callable[[list[str
 
 
 def _worker(worker_main: Callable[[list[str]], int], argv: list[str]) -> None:
-    """A forked rank: made what a spawned torchrun worker is (a session of its own, default signal
+    """A forked rank: made what a spawned torchrun worker is (a session of its own, its own signal
     handlers rather than the agent's, its thread count), named rank-N, then worker_main(argv). A
     failure ends the process with its exit code; success returns, for torchrun's agent to collect."""
     import torch
@@ -123,9 +123,9 @@ def _worker(worker_main: Callable[[list[str]], int], argv: list[str]) -> None:
     from ..parallel import launch_log
 
     os.setsid()
-    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    for number in (signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _stop_as_a_spawned_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _report_exit()
     launch_log.record_start()  # the package was imported before this process existed
@@ -135,6 +135,29 @@ def _worker(worker_main: Callable[[list[str]], int], argv: list[str]) -> None:
     sys.stderr.flush()
     if code:
         os._exit(code)
+
+
+def _stop_as_a_spawned_rank() -> None:
+    """SIGINT raises KeyboardInterrupt and SIGTERM ends the process, as in a new interpreter, with one
+    difference: a SIGTERM after a SIGINT is ignored. The launcher passes Ctrl-C on to every rank, and
+    the agent, once one rank has ended (130), stops the others with SIGTERM: rank 0, which reports
+    where to resume, may still be inside a collective, its SIGINT not yet handled (a signal's Python
+    handler runs when the C call returns, SIGINT's before SIGTERM's), and must not be ended before it
+    reports. (A spawned rank gets the agent's SIGINT only after the agent has stopped watching.)"""
+    interrupted: list[int] = []
+
+    def on_interrupt(number, _frame):
+        interrupted.append(number)
+        raise KeyboardInterrupt
+
+    def on_terminate(number, _frame):
+        if interrupted:  # stopping already: this rank reports it and ends itself
+            return
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGTERM, on_terminate)
 
 
 def _report_exit() -> None:

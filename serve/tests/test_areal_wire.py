@@ -21,7 +21,7 @@ from critic_adapters.common.learning.loss import shift_to_tokens, value_loss
 from critic_adapters.common.tests import checkpoint_builders as build
 from critic_adapters.common.valuehead import compute_values, load_critic
 from critic_adapters.serve import areal, areal_wire
-from critic_adapters.serve.schema import Limits, RequestError
+from critic_adapters.serve.schema import Limits, RequestError, update_request
 from critic_adapters.serve.updates import minibatch_groups
 from critic_adapters.serve.tests import areal_client
 
@@ -169,6 +169,9 @@ def test_our_loss_on_the_mapped_update_is_areals_loss_on_its_positions():
     assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
     assert request.minibatches == 2 and request.request_id.startswith("areal-")
     assert areal.update_request(body, Limits(100, None, areal_minibatches=2)).request_id == request.request_id
+    # The journal keeps it as our own update body; a restart reads it back as the same update, its steps too.
+    again = update_request(json.loads(json.dumps(request.to_json())), Limits(vocab_size=100, max_positions=None))
+    assert (again.request_id, again.digest, again.minibatches) == (request.request_id, request.digest, 2)
 
 
 def test_an_update_that_would_lose_a_position_or_has_too_few_rows_is_refused():
