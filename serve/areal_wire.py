@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import re
 
 import numpy
 import torch
@@ -45,8 +44,10 @@ TENSOR_DTYPES = {
     "torch.uint8": (torch.uint8, 1, "|u1"),
     "torch.bool": (torch.bool, 1, "|b1"),
 }
-NDARRAY_DTYPES = {"<f4": torch.float32, "<f8": torch.float64, "<f2": torch.float16, "<i8": torch.int64,
-                  "<i4": torch.int32, "<i2": torch.int16, "|i1": torch.int8, "|u1": torch.uint8, "|b1": torch.bool}
+NDARRAY_DTYPES = {name: (dtype, numpy.dtype(name).itemsize, name) for name, dtype in (
+    ("<f4", torch.float32), ("<f8", torch.float64), ("<f2", torch.float16), ("<i8", torch.int64), ("<i4", torch.int32),
+    ("<i2", torch.int16), ("|i1", torch.int8), ("|u1", torch.uint8), ("|b1", torch.bool))}
+"""numpy dtype.str (what AReaL's ndarray payload names) -> the same triple as TENSOR_DTYPES'."""
 
 RTENSOR = "areal.infra.rpc.rtensor.RTensor"
 REFUSED = {
@@ -65,7 +66,6 @@ RTENSOR_REFUSED = ("an AReaL RTensor reference (shard {shard}): this service doe
                    "hosts; send the tensors inline: localize the batch first (areal.infra.rpc.rtensor.RTensor."
                    "localize), or run AReaL's rollout without the RPC tensor store, so that serialize_value writes "
                    "{{\"type\": \"tensor\", \"data\": ...}} payloads")
-_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
 def decode(value, field: str = "body"):
@@ -79,9 +79,9 @@ def decode(value, field: str = "body"):
         raise RequestError(field, f"a {type(value).__name__} is not a JSON value")
     kind = value.get("type")
     if kind == "tensor":
-        return _tensor(value, field)
+        return _array(value, field, "a tensor", TENSOR_DTYPES)
     if kind == "ndarray":
-        return _ndarray(value, field)
+        return _array(value, field, "an ndarray", NDARRAY_DTYPES, " (little-endian numbers or booleans)")
     if kind == "torch_dtype":
         name = value.get("value")
         if name not in TENSOR_DTYPES or set(value) != {"type", "value"}:
@@ -117,9 +117,7 @@ def _bytes(value: dict, field: str, expected: int) -> bytes:
     if len(data) != length:
         raise RequestError(f"{field}.data", f"{len(data)} base64 characters; shape {value.get('shape')} of "
                                             f"{value.get('dtype')} takes {expected} bytes, {length} characters")
-    if not _BASE64.fullmatch(data):
-        raise RequestError(f"{field}.data", "not base64 (A-Z a-z 0-9 + /, = padding)")
-    try:
+    try:  # validate: characters outside the base64 alphabet are an error, not skipped
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as err:
         raise RequestError(f"{field}.data", f"not base64 ({err})") from None
@@ -128,30 +126,19 @@ def _bytes(value: dict, field: str, expected: int) -> bytes:
     return raw
 
 
-def _tensor(value: dict, field: str) -> torch.Tensor:
+def _array(value: dict, field: str, what: str, dtypes: dict, note: str = "") -> torch.Tensor:
+    """A "tensor" or "ndarray" payload: its dtype one of `dtypes` (name -> torch dtype, bytes per element,
+    numpy dtype of the bytes), its data as many bytes as shape x dtype takes."""
     unknown = sorted(set(value) - {"type", "data", "shape", "dtype"})
     if unknown:
-        raise RequestError(f"{field}.{unknown[0]}", "unknown key of a tensor payload (type, data, shape, dtype)")
+        raise RequestError(f"{field}.{unknown[0]}", f"unknown key of {what} payload (type, data, shape, dtype)")
     name = value.get("dtype")
-    if name not in TENSOR_DTYPES:
-        raise RequestError(f"{field}.dtype", f"{name!r}: one of {', '.join(TENSOR_DTYPES)} is expected")
-    dtype, width, wire = TENSOR_DTYPES[name]
+    if name not in dtypes:
+        raise RequestError(f"{field}.dtype", f"{name!r}: one of {', '.join(dtypes)} is expected{note}")
+    dtype, width, wire = dtypes[name]
     shape = _shape(value, field)
     raw = _bytes(value, field, math.prod(shape) * width)
     return torch.from_numpy(numpy.frombuffer(raw, dtype=wire).copy()).reshape(shape).to(dtype)
-
-
-def _ndarray(value: dict, field: str) -> torch.Tensor:
-    unknown = sorted(set(value) - {"type", "data", "shape", "dtype"})
-    if unknown:
-        raise RequestError(f"{field}.{unknown[0]}", "unknown key of an ndarray payload (type, data, shape, dtype)")
-    name = value.get("dtype")
-    if name not in NDARRAY_DTYPES:
-        raise RequestError(f"{field}.dtype", f"{name!r}: one of {', '.join(NDARRAY_DTYPES)} is expected "
-                                             f"(little-endian numbers or booleans)")
-    shape = _shape(value, field)
-    raw = _bytes(value, field, math.prod(shape) * numpy.dtype(name).itemsize)
-    return torch.from_numpy(numpy.frombuffer(raw, dtype=name).copy()).reshape(shape).to(NDARRAY_DTYPES[name])
 
 
 def encode(value):
